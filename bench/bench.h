@@ -1,0 +1,54 @@
+// The shared benchmark harness: ceilings, timing, rows. Every op's bench (src/ops/<op>/bench_*.cu)
+// uses it, so the timing rules live in one place:
+//   - the copy ceiling is measured in the same run (a large device-to-device copy, bytes read +
+//     written over time);
+//   - each timing is the median of several repeats of a CUDA-graph replay of `reps` calls, after a
+//     warm-up; callers rotate input sets larger than L2 so repeats do not hit in cache;
+//   - bytes are decimal (1 GB/s = 1e9 B/s).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+struct CUstream_st;
+
+namespace m3rt::bench {
+
+struct BenchRow {
+  std::string op, variant;
+  double us = 0;            // median time per call
+  double bytes = 0;         // bytes the call must move
+  double gbps = 0;          // bytes / us
+  double pct_ceiling = 0;   // gbps / measured copy ceiling
+  std::vector<std::pair<std::string, double>> ratios;  // "vs unfused": baseline_us / us
+  std::string note;
+};
+
+struct BenchEnv {
+  std::string gpu;
+  double copy_gbps = 0;  // measured device-to-device copy, read + write
+  bool quick = false;    // fewer repeats (smoke test)
+};
+
+double measure_copy_ceiling_gbps();
+
+// Median microseconds per call of `call(i, stream)`, where i cycles over the input sets, timed as
+// graph replays of `calls_per_graph` calls (graph=false: eager launches in a loop).
+double time_us(const std::function<void(int, CUstream_st*)>& call, int num_sets, bool graph,
+               const BenchEnv& env, int calls_per_graph = 20);
+
+// Fills n bf16 values with a hash of (seed, index) mapped to [lo, hi] (never zeros-only data).
+void fill_uniform_bf16(void* p, int64_t n, uint64_t seed, float lo, float hi);
+
+// How many input sets to rotate so that together they exceed 3x the L2 (60 MB on an H200).
+int sets_beyond_l2(double bytes_per_set, int max_sets = 32);
+
+std::vector<BenchRow> bench_dspark_context_kv(const BenchEnv& env);
+std::vector<BenchRow> bench_qknorm_rope_kv_insert(const BenchEnv& env);
+
+// Runs every bench whose op name contains `filter`.
+std::vector<BenchRow> run_benches(const BenchEnv& env, const std::string& filter);
+
+}  // namespace m3rt::bench

@@ -1,0 +1,134 @@
+// The shared benchmark harness (bench.h): copy ceiling, graph-replay timing, the bench registry.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "bench.h"
+#include "core/cuda_check.h"
+
+namespace m3rt::bench {
+
+namespace {
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+}  // namespace
+
+double measure_copy_ceiling_gbps() {
+  const size_t bytes = size_t(2) << 30;  // 2 GiB each way, far beyond L2
+  void *a = nullptr, *b = nullptr;
+  M3RT_CUDA_CHECK(cudaMalloc(&a, bytes));
+  M3RT_CUDA_CHECK(cudaMalloc(&b, bytes));
+  M3RT_CUDA_CHECK(cudaMemset(a, 0x3c, bytes));  // not zeros
+  cudaEvent_t e0, e1;
+  M3RT_CUDA_CHECK(cudaEventCreate(&e0));
+  M3RT_CUDA_CHECK(cudaEventCreate(&e1));
+  std::vector<double> us;
+  for (int i = 0; i < 12; ++i) {
+    M3RT_CUDA_CHECK(cudaEventRecord(e0));
+    M3RT_CUDA_CHECK(cudaMemcpyAsync(i % 2 ? a : b, i % 2 ? b : a, bytes, cudaMemcpyDeviceToDevice));
+    M3RT_CUDA_CHECK(cudaEventRecord(e1));
+    M3RT_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    M3RT_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (i >= 2) us.push_back(ms * 1e3);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(a);
+  cudaFree(b);
+  return 2.0 * double(bytes) / (median(us) * 1e3);  // bytes per us / 1e3 = GB/s
+}
+
+double time_us(const std::function<void(int, CUstream_st*)>& call, int num_sets, bool graph,
+               const BenchEnv& env, int calls_per_graph) {
+  cudaStream_t s;
+  M3RT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaEvent_t e0, e1;
+  M3RT_CUDA_CHECK(cudaEventCreate(&e0));
+  M3RT_CUDA_CHECK(cudaEventCreate(&e1));
+  const int repeats = env.quick ? 5 : 25;
+  int set = 0;
+  std::vector<double> samples;
+  if (graph) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    M3RT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < calls_per_graph; ++i) call(set++ % num_sets, s);
+    M3RT_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+    M3RT_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+    for (int i = 0; i < 3; ++i) M3RT_CUDA_CHECK(cudaGraphLaunch(ge, s));
+    for (int r = 0; r < repeats; ++r) {
+      M3RT_CUDA_CHECK(cudaEventRecord(e0, s));
+      M3RT_CUDA_CHECK(cudaGraphLaunch(ge, s));
+      M3RT_CUDA_CHECK(cudaEventRecord(e1, s));
+      M3RT_CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      M3RT_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      samples.push_back(ms * 1e3 / calls_per_graph);
+    }
+    cudaGraphExecDestroy(ge);
+    cudaGraphDestroy(g);
+  } else {
+    for (int i = 0; i < 3; ++i) call(set++ % num_sets, s);
+    for (int r = 0; r < repeats; ++r) {
+      M3RT_CUDA_CHECK(cudaEventRecord(e0, s));
+      for (int i = 0; i < calls_per_graph; ++i) call(set++ % num_sets, s);
+      M3RT_CUDA_CHECK(cudaEventRecord(e1, s));
+      M3RT_CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      M3RT_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      samples.push_back(ms * 1e3 / calls_per_graph);
+    }
+  }
+  M3RT_CUDA_CHECK(cudaStreamSynchronize(s));
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaStreamDestroy(s);
+  return median(samples);
+}
+
+namespace {
+__global__ void fill_uniform_bf16_kernel(__nv_bfloat16* p, int64_t n, uint64_t seed, float lo, float hi) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint64_t z = seed + 0x9e3779b97f4a7c15ull * uint64_t(i + 1);  // splitmix64
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    const float u = float(z >> 40) * (1.f / 16777216.f);
+    p[i] = __float2bfloat16_rn(lo + (hi - lo) * u);
+  }
+}
+}  // namespace
+
+void fill_uniform_bf16(void* p, int64_t n, uint64_t seed, float lo, float hi) {
+  fill_uniform_bf16_kernel<<<1024, 256>>>(static_cast<__nv_bfloat16*>(p), n, seed, lo, hi);
+  M3RT_LAUNCH_CHECK(nullptr, "fill_uniform_bf16_kernel");
+}
+
+int sets_beyond_l2(double bytes_per_set, int max_sets) {
+  int l2 = 0;
+  M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));
+  const double want = 3.0 * double(l2);
+  return std::clamp(int(want / std::max(bytes_per_set, 1.0)) + 1, 1, max_sets);
+}
+
+std::vector<BenchRow> run_benches(const BenchEnv& env, const std::string& filter) {
+  std::vector<BenchRow> rows;
+  auto want = [&](const char* op) { return filter.empty() || std::string(op).find(filter) != std::string::npos; };
+  if (want("dspark_context_kv_write")) {
+    auto r = bench_dspark_context_kv(env);
+    rows.insert(rows.end(), r.begin(), r.end());
+  }
+  if (want("qknorm_rope_kv_insert")) {
+    auto r = bench_qknorm_rope_kv_insert(env);
+    rows.insert(rows.end(), r.begin(), r.end());
+  }
+  return rows;
+}
+
+}  // namespace m3rt::bench

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# On a GPU machine: build, run every test (GPU ones included), `m3rt check` (also with the
+# sync-check switch), compute-sanitizer (memcheck, racecheck, initcheck, synccheck) on the GPU
+# checks and the graph test, then every benchmark. Logs go to $OUT (default /tmp/m3rt-gpu); a short
+# table is printed last. Exit status: non-zero if any step failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/m3rt-gpu}
+BUILD_DIR=${BUILD_DIR:-build-gpu}
+mkdir -p "$OUT"
+export PATH=$PATH:/usr/local/cuda/bin
+SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+declare -a NAMES RESULTS
+step() {  # step NAME LOGFILE CMD...: runs CMD, appends its output to LOGFILE, records PASS/FAIL
+  local name=$1 logf=$2; shift 2
+  echo "== $name: $*" >>"$OUT/$logf"
+  local t0=$SECONDS
+  "$@" >>"$OUT/$logf" 2>&1
+  local rc=$?
+  NAMES+=("$name"); RESULTS+=("$([ $rc -eq 0 ] && echo PASS || echo "FAIL(rc=$rc)") $((SECONDS - t0))s")
+  return $rc
+}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm --format=csv >"$OUT/summary.txt" 2>&1
+echo "commit $(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)  $(date -u +%FT%TZ)" >>"$OUT/summary.txt"
+step build build.log bash -c "cmake -S . -B $BUILD_DIR -G Ninja -DCMAKE_BUILD_TYPE=Release -DM3RT_BUILD_TESTS=ON && cmake --build $BUILD_DIR -j $(nproc)" || { cat "$OUT/build.log" | tail -40; exit 1; }
+step ctest ctest.log bash -c "cd $BUILD_DIR && ctest --output-on-failure -j 4"
+step check check.log "$BUILD_DIR/m3rt" check
+step check-sync check.log env M3RT_SYNC_CHECK=1 "$BUILD_DIR/m3rt" check --device cuda
+if [ -n "$SAN" ]; then
+  for tool in memcheck racecheck initcheck synccheck; do
+    step "sanitizer-$tool" sanitizer.log "$SAN" --tool "$tool" --error-exitcode 9 "$BUILD_DIR/m3rt" check --device cuda
+  done
+  step sanitizer-graph sanitizer.log "$SAN" --tool memcheck --error-exitcode 9 "$BUILD_DIR/tests/test_gpu" --gtest_filter='GpuGraph*'
+else
+  NAMES+=("sanitizer"); RESULTS+=("NOT RUN (compute-sanitizer not found)")
+fi
+cuobjdump --dump-resource-usage "$BUILD_DIR/libm3rt.so" >"$OUT/resource.txt" 2>&1
+step bench bench.log "$BUILD_DIR/m3rt" bench --json "$OUT/bench.json" ${BENCH_ARGS:-}
+
+{
+  echo
+  grep -E "tests passed|tests failed" "$OUT/ctest.log" | tail -1
+  grep -E "passed, [0-9]+ failed" "$OUT/check.log" | tail -2
+  grep -E "ERROR SUMMARY" "$OUT/sanitizer.log" 2>/dev/null
+  echo
+  sed -n '/^op /,$p' "$OUT/bench.log"
+  echo
+  printf '%-20s %s\n' step result
+  for i in "${!NAMES[@]}"; do printf '%-20s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}"; done
+} | tee -a "$OUT/summary.txt"
+for r in "${RESULTS[@]}"; do [[ $r == PASS* ]] || exit 1; done

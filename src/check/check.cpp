@@ -1,0 +1,67 @@
+// m3rt::run_checks: the registry of op checks and the loop over devices.
+#include <chrono>
+
+#include "check/check_cases.h"
+#include "m3rt/check.h"
+#include "m3rt/error.h"
+
+namespace m3rt {
+
+namespace {
+struct Entry {
+  const char* op;
+  void (*fn)(detail::CheckContext&);
+};
+// Table order is the order of `m3rt check`'s rows.
+constexpr Entry kChecks[] = {
+    {"reshape_and_cache", detail::check_reshape_and_cache},
+    {"gemma_rms_norm", detail::check_gemma_rms_norm},
+    {"swiglu_oai", detail::check_swiglu_oai},
+    {"dspark_context_kv_write", detail::check_dspark_context_kv_write},
+    {"qknorm_rope_kv_insert", detail::check_qknorm_rope_kv_insert},
+};
+}  // namespace
+
+std::vector<std::string> check_op_names() {
+  std::vector<std::string> names;
+  for (const Entry& e : kChecks) names.emplace_back(e.op);
+  return names;
+}
+
+std::vector<CheckRow> run_checks(const std::vector<Device>& devices, const CheckOptions& options,
+                                 uint64_t* seed_used) {
+  uint64_t seed = options.seed;
+  if (seed == 0)
+    seed = uint64_t(std::chrono::high_resolution_clock::now().time_since_epoch().count()) | 1u;
+  if (seed_used) *seed_used = seed;
+  std::vector<CheckRow> rows;
+  for (const Device& dev : devices) {
+    detail::Rng rng(seed);  // the same inputs on every device
+    for (const Entry& e : kChecks) {
+      if (!options.filter.empty() && std::string(e.op).find(options.filter) == std::string::npos)
+        continue;
+      detail::CheckContext ctx{dev, rng, rows, e.op, ""};
+      const size_t before = rows.size();
+      try {
+        e.fn(ctx);
+      } catch (const std::exception& ex) {
+        CheckRow row;
+        row.op = ctx.op;
+        row.variant = ctx.variant;
+        row.device = dev.str();
+        row.output = "(exception)";
+        row.pass = false;
+        row.message = ex.what();
+        rows.push_back(row);
+      }
+      if (rows.size() == before) {
+        CheckRow row{e.op, "", dev.str(), "(none)"};
+        row.message = "the check produced no comparison";
+        rows.push_back(row);
+      }
+    }
+  }
+  return rows;
+}
+
+}  // namespace m3rt

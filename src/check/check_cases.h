@@ -1,0 +1,26 @@
+// Internal: the per-op checks behind m3rt::run_checks.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "check/check_util.h"
+#include "m3rt/check.h"
+
+namespace m3rt::detail {
+
+struct CheckContext {
+  Device device;
+  Rng& rng;
+  std::vector<CheckRow>& rows;
+  std::string op;
+  std::string variant;
+};
+
+void check_reshape_and_cache(CheckContext& c);
+void check_gemma_rms_norm(CheckContext& c);
+void check_swiglu_oai(CheckContext& c);
+void check_dspark_context_kv_write(CheckContext& c);
+void check_qknorm_rope_kv_insert(CheckContext& c);
+
+}  // namespace m3rt::detail

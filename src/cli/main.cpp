@@ -1,0 +1,188 @@
+// m3rt: the command-line tool.
+//   m3rt check [--device cpu|cuda|all] [--seed N] [--filter OP]   correctness self-test
+//   m3rt bench [--filter OP] [--json FILE] [--quick]              GPU benchmarks
+//   m3rt version
+// Every error becomes one line on stderr and a non-zero exit.
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "m3rt/check.h"
+#include "m3rt/error.h"
+#include "m3rt/tensor.h"
+
+#ifdef M3RT_WITH_CUDA
+#include "bench.h"
+#endif
+
+#ifndef M3RT_GIT_COMMIT
+#define M3RT_GIT_COMMIT "unknown"
+#endif
+
+namespace {
+
+using namespace m3rt;
+
+const char* kUsage =
+    "usage: m3rt <command> [options]\n"
+    "  check [--device cpu|cuda|all] [--seed N] [--filter OP]\n"
+    "        run every op's correctness check on fresh random inputs (default: all devices)\n"
+    "  bench [--filter OP] [--json FILE] [--quick]\n"
+    "        GPU benchmarks: us, bytes, GB/s, % of the measured copy ceiling, ratios to baselines\n"
+    "  version\n";
+
+struct Args {
+  std::vector<std::string> v;
+  size_t i = 0;
+  bool more() const { return i < v.size(); }
+  std::string next(const std::string& flag) {
+    if (i >= v.size()) throw Error("option " + flag + " needs a value");
+    return v[i++];
+  }
+};
+
+uint64_t parse_u64(const std::string& flag, const std::string& s) {
+  try {
+    size_t pos = 0;
+    const unsigned long long x = std::stoull(s, &pos, 0);
+    if (pos != s.size()) throw std::invalid_argument(s);
+    return x;
+  } catch (const std::exception&) {
+    throw Error("option " + flag + " = '" + s + "': expected a non-negative integer");
+  }
+}
+
+std::string fmt(const char* f, double x) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), f, x);
+  return buf;
+}
+
+int cmd_check(Args& a) {
+  std::string device = "all";
+  CheckOptions opt;
+  while (a.more()) {
+    const std::string f = a.next("");
+    if (f == "--device") device = a.next(f);
+    else if (f == "--seed") opt.seed = parse_u64(f, a.next(f));
+    else if (f == "--filter") opt.filter = a.next(f);
+    else throw Error("check: unknown option '" + f + "'");
+  }
+  std::vector<Device> devices;
+  const int n = cuda_device_count();
+  if (device == "cpu" || device == "all") devices.push_back(Device::cpu());
+  if (device == "cuda" || device == "all")
+    for (int i = 0; i < n; ++i) devices.push_back(Device::cuda(i));
+  if (device.rfind("cuda:", 0) == 0) {
+    const int idx = int(parse_u64("--device", device.substr(5)));
+    if (idx >= n) throw Error("check: --device " + device + ": " + std::to_string(n) + " CUDA device(s) present");
+    devices.push_back(Device::cuda(idx));
+  }
+  if (device != "cpu" && device != "all" && device != "cuda" && device.rfind("cuda:", 0) != 0)
+    throw Error("check: --device '" + device + "': expected cpu, cuda, cuda:N or all");
+  if (device == "cuda" && n == 0)
+    throw Error(std::string("check: --device cuda: no CUDA device") +
+                (built_with_cuda() ? " is present" : " (m3rt was built without CUDA)"));
+  uint64_t seed = 0;
+  const auto rows = run_checks(devices, opt, &seed);
+  std::printf("m3rt check  seed %llu  devices:", (unsigned long long)seed);
+  for (const auto& d : devices)
+    std::printf(" %s%s", d.str().c_str(), d.is_cuda() ? (" (" + cuda_device_name(d.index) + ")").c_str() : "");
+  if (device == "all" && n == 0)
+    std::printf("  [no CUDA device%s: GPU checks not run]", built_with_cuda() ? "" : ", built without CUDA");
+  std::printf("\n%-26s %-44s %-7s %-24s %10s %-16s %9s %s\n", "op", "variant", "device", "output",
+              "worst", "at", "tol", "result");
+  int failed = 0;
+  for (const auto& r : rows) {
+    std::printf("%-26s %-44s %-7s %-24s %10s %-16s %9s %s\n", r.op.c_str(), r.variant.c_str(),
+                r.device.c_str(), r.output.c_str(), fmt("%.0f", r.worst).c_str(), r.where.c_str(),
+                (fmt("%.0f ", r.tolerance) + (r.unit == "exact" ? "" : r.unit.substr(r.unit.find(' ') + 1))).c_str(),
+                r.pass ? "PASS" : "FAIL");
+    if (!r.pass) {
+      ++failed;
+      std::printf("    %s\n", r.message.c_str());
+    }
+  }
+  std::printf("%zu passed, %d failed\n", rows.size() - failed, failed);
+  return failed ? 1 : 0;
+}
+
+int cmd_bench(Args& a) {
+  std::string filter, json;
+  bool quick = false;
+  while (a.more()) {
+    const std::string f = a.next("");
+    if (f == "--filter") filter = a.next(f);
+    else if (f == "--json") json = a.next(f);
+    else if (f == "--quick") quick = true;
+    else throw Error("bench: unknown option '" + f + "'");
+  }
+#ifdef M3RT_WITH_CUDA
+  if (cuda_device_count() == 0) throw Error("bench: no CUDA device is present");
+  bench::BenchEnv env;
+  env.gpu = cuda_device_name(0);
+  env.quick = quick;
+  env.copy_gbps = bench::measure_copy_ceiling_gbps();
+  char date[32];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  std::printf("m3rt bench  %s  commit %s  %s  copy ceiling %.0f GB/s (read+write, measured)\n",
+              env.gpu.c_str(), M3RT_GIT_COMMIT, date, env.copy_gbps);
+  const auto rows = bench::run_benches(env, filter);
+  std::printf("%-28s %-34s %10s %12s %9s %7s  %s\n", "op", "variant", "us", "bytes", "GB/s", "%ceil", "ratios");
+  for (const auto& r : rows) {
+    std::string ratios;
+    for (const auto& [name, x] : r.ratios) ratios += name + " " + fmt("%.2fx", x) + "  ";
+    std::printf("%-28s %-34s %10.2f %12.0f %9.0f %6.1f%%  %s%s\n", r.op.c_str(), r.variant.c_str(), r.us,
+                r.bytes, r.gbps, r.pct_ceiling, ratios.c_str(), r.note.c_str());
+  }
+  if (!json.empty()) {
+    std::ofstream out(json);
+    if (!out) throw Error("bench: --json '" + json + "': cannot open for writing");
+    out << "{\"gpu\": \"" << env.gpu << "\", \"commit\": \"" << M3RT_GIT_COMMIT << "\", \"date\": \""
+        << date << "\", \"copy_ceiling_gbps\": " << env.copy_gbps << ", \"rows\": [\n";
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const auto& r = rows[i];
+      out << "  {\"op\": \"" << r.op << "\", \"variant\": \"" << r.variant << "\", \"us\": " << r.us
+          << ", \"bytes\": " << r.bytes << ", \"gbps\": " << r.gbps << ", \"pct_ceiling\": " << r.pct_ceiling
+          << ", \"ratios\": {";
+      for (size_t k = 0; k < r.ratios.size(); ++k)
+        out << (k ? ", " : "") << "\"" << r.ratios[k].first << "\": " << r.ratios[k].second;
+      out << "}, \"note\": \"" << r.note << "\"}" << (i + 1 < rows.size() ? "," : "") << "\n";
+    }
+    out << "]}\n";
+  }
+  return 0;
+#else
+  (void)quick;
+  throw Error("bench: m3rt was built without CUDA; benchmarks need a GPU build");
+#endif
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) a.v.emplace_back(argv[i]);
+  try {
+    if (!a.more() || a.v[0] == "--help" || a.v[0] == "-h" || a.v[0] == "help") {
+      std::fputs(kUsage, a.more() ? stdout : stderr);
+      return a.more() ? 0 : 2;
+    }
+    const std::string cmd = a.next("");
+    if (cmd == "check") return cmd_check(a);
+    if (cmd == "bench") return cmd_bench(a);
+    if (cmd == "version") {
+      std::printf("m3rt 0.1.0 (commit %s, %s)\n", M3RT_GIT_COMMIT, built_with_cuda() ? "CUDA" : "CPU only");
+      return 0;
+    }
+    throw Error("unknown command '" + cmd + "' (try: m3rt --help)");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "m3rt: error: %s\n", e.what());
+    return 1;
+  }
+}

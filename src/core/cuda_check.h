@@ -1,0 +1,41 @@
+// Internal: checked CUDA calls and launches. Only built when M3RT_WITH_CUDA is defined.
+//
+// defines: M3RT_CUDA_CHECK (throws m3rt::Error with file:line and CUDA's message),
+//          M3RT_LAUNCH_CHECK (last error after a launch; with the sync-check switch on, also a
+//          stream synchronize, skipped while the stream is capturing), DeviceGuard.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "m3rt/error.h"
+
+namespace m3rt::detail {
+
+[[noreturn]] void throw_cuda_error(cudaError_t err, const char* expr, const char* file, int line);
+void check_launch(cudaStream_t stream, const char* kernel, const char* file, int line);
+
+// Makes `device` current for the scope (ops run on the device their tensors live on).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = -1;
+};
+
+}  // namespace m3rt::detail
+
+#define M3RT_CUDA_CHECK(expr)                                                   \
+  do {                                                                          \
+    const cudaError_t m3rt_err_ = (expr);                                       \
+    if (m3rt_err_ != cudaSuccess)                                               \
+      ::m3rt::detail::throw_cuda_error(m3rt_err_, #expr, __FILE__, __LINE__);   \
+  } while (0)
+
+#define M3RT_LAUNCH_CHECK(stream, kernel) \
+  ::m3rt::detail::check_launch((stream), (kernel), __FILE__, __LINE__)

@@ -1,0 +1,48 @@
+// Internal: argument checks shared by every op. Each throws m3rt::Error naming the op, the argument,
+// its value and what is supported.
+//
+// defines: require_defined, require_dtype, require_shape, require_same_device, require_scale,
+//          require_kv_cache, require_rope_table, require_index_vector, KvCacheGeometry.
+#pragma once
+
+#include <initializer_list>
+#include <string>
+
+#include "m3rt/error.h"
+#include "m3rt/ops.h"
+#include "m3rt/tensor.h"
+
+namespace m3rt::detail {
+
+void require_defined(const char* op, const char* name, const TensorView& v);
+void require_dtype(const char* op, const char* name, const TensorView& v,
+                   std::initializer_list<DType> allowed);
+// Shape with -1 as "any" for a dim.
+void require_shape(const char* op, const char* name, const TensorView& v,
+                   std::initializer_list<int64_t> expected);
+void require_contiguous(const char* op, const char* name, const TensorView& v);
+void require_last_dim_contiguous(const char* op, const char* name, const TensorView& v);
+// Every defined view in `views` lives on `device`.
+void require_device(const char* op, const char* name, const TensorView& v, Device device);
+// An fp32 scalar ([] or [1]) on `device`.
+void require_scale(const char* op, const char* name, const TensorView& v, Device device);
+// A 1-D int64 vector of n elements, contiguous, on `device`.
+void require_index_vector(const char* op, const char* name, const TensorView& v, int64_t n,
+                          Device device);
+// The RoPE table: [max_pos, rotary_dim] bf16 contiguous, rotary_dim in {16, 32, 64}.
+void require_rope_table(const char* op, const TensorView& cos_sin_cache, int rotary_dim,
+                        Device device);
+// Memory at 16-byte alignment (vector loads and stores).
+void require_aligned16(const char* op, const char* name, const TensorView& v);
+
+// A paged KV cache [num_blocks, nkv, block_size, 256], checked and summarized.
+struct KvCacheGeometry {
+  int64_t num_blocks = 0;
+  int num_kv_heads = 0;
+  int block_size = 0;
+  bool fp8 = false;
+};
+KvCacheGeometry require_kv_cache(const char* op, const TensorView& kv_cache,
+                                 KvCacheDtype kv_cache_dtype, int num_kv_heads, Device device);
+
+}  // namespace m3rt::detail

@@ -1,0 +1,140 @@
+// Device helpers shared by the per-head kernels (context-K/V writer, QK-norm/RoPE/insert,
+// reshape_and_cache): one 128-dim head is owned by 16 lanes of a warp (a "half-warp"), 8
+// consecutive dims per lane, so every global access is 16 bytes (bf16) or 8 bytes (e4m3).
+//
+// Arithmetic uses the _rn intrinsics: no FMA contraction, so each step rounds exactly like the CPU
+// reference's plain fp32 expressions (built with -ffp-contract=off). Only the order of the 128-term
+// sum of squares differs from the reference (8 per lane, then a butterfly), which can move a
+// rounded bf16 result by one ulp.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cstdint>
+
+namespace m3rt::kernels {
+
+constexpr int kLanesPerHead = 16;
+constexpr int kDimsPerLane = 8;
+static_assert(kLanesPerHead * kDimsPerLane == 128, "one half-warp covers a 128-dim head");
+
+// 8 bf16 (16 bytes) -> fp32.
+__device__ __forceinline__ void unpack_bf16x8(const uint4& raw, float (&x)[8]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    x[2 * i] = __uint_as_float(w[i] << 16);
+    x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+// fp32 -> 8 bf16, round to nearest even.
+__device__ __forceinline__ uint4 pack_bf16x8(const float (&x)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
+    w[i] = *reinterpret_cast<const uint32_t*>(&h);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Round each value to bf16 and back (the "materialized to bf16" boundary).
+__device__ __forceinline__ void round_bf16x8(float (&x)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = __bfloat162float(__float2bfloat16_rn(x[i]));
+}
+
+// fp32 -> 8 e4m3fn (saturate to finite, round to nearest even).
+__device__ __forceinline__ uint2 pack_e4m3x8(const float (&x)[8]) {
+  uint32_t w[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(x[4 * i], x[4 * i + 1]), __NV_SATFINITE,
+                                           __NV_E4M3);
+    uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(x[4 * i + 2], x[4 * i + 3]), __NV_SATFINITE,
+                                           __NV_E4M3);
+    w[i] = (lo & 0xffffu) | (hi << 16);
+  }
+  return make_uint2(w[0], w[1]);
+}
+
+// x / scale (IEEE division), then e4m3.
+__device__ __forceinline__ uint2 quantize_e4m3x8(const float (&x)[8], float scale) {
+  float q[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) q[i] = __fdiv_rn(x[i], scale);
+  return pack_e4m3x8(q);
+}
+
+// Sum over the 16 lanes of one half-warp; `mask` names the half-warp's lanes.
+__device__ __forceinline__ float half_warp_sum(float v, unsigned mask) {
+#pragma unroll
+  for (int m = kLanesPerHead / 2; m > 0; m >>= 1) v = __fadd_rn(v, __shfl_xor_sync(mask, v, m));
+  return v;
+}
+
+// Gemma RMSNorm of one head in place: x * (1 / sqrt(mean(x^2) + eps)) * (1 + w), fp32.
+// `w_lane` points at this lane's 8 weights (bf16, 16-byte aligned).
+__device__ __forceinline__ void gemma_norm_head(float (&x)[8], const __nv_bfloat16* w_lane,
+                                                float eps, unsigned mask) {
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) ss = __fadd_rn(ss, __fmul_rn(x[i], x[i]));
+  ss = half_warp_sum(ss, mask);
+  const float inv_rms = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fmul_rn(ss, 1.f / 128.f), eps)));
+  float w[8];
+  unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(w_lane)), w);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], inv_rms), __fadd_rn(1.f, w[i]));
+}
+
+// Partial NeoX RoPE of one head in place, in fp32. Dim i pairs with i + R/2 for i < R/2 (R =
+// kRotaryDim); dims >= R pass through. Lane j owns dims [8j, 8j+8): lanes j < R/16 hold first-half
+// dims, lanes R/16 <= j < R/8 their partners, found R/16 lanes away (xor). Every lane of the
+// half-warp must call this (it shuffles). `row` is the position's table row [cos (R/2) | sin (R/2)].
+template <int kRotaryDim>
+__device__ __forceinline__ void rope_neox_head(float (&x)[8], int j, const __nv_bfloat16* row,
+                                               unsigned mask) {
+  static_assert(kRotaryDim == 16 || kRotaryDim == 32 || kRotaryDim == 64, "rotary 16/32/64");
+  constexpr int kHalf = kRotaryDim / 2;
+  constexpr int kPartner = kHalf / kDimsPerLane;  // lanes between a dim and its partner
+  float p[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) p[i] = __shfl_xor_sync(mask, x[i], kPartner);
+  if (j >= 2 * kPartner) return;  // pass-through dims
+  const bool first = j < kPartner;
+  const int i0 = (j % kPartner) * kDimsPerLane;  // index into the cos/sin halves
+  float c[8], s[8];
+  unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(row + i0)), c);
+  unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(row + kHalf + i0)), s);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    // first half: x*c - partner*s; second half: x*c + partner*s
+    x[i] = first ? __fsub_rn(__fmul_rn(x[i], c[i]), __fmul_rn(p[i], s[i]))
+                 : __fadd_rn(__fmul_rn(x[i], c[i]), __fmul_rn(p[i], s[i]));
+  }
+}
+
+// Where a paged-cache row lives: [block, head, offset, 0..255] with slot = block * bs + offset.
+__device__ __forceinline__ int64_t cache_row_offset(int64_t slot, int block_size_log2,
+                                                    int64_t stride_block, int64_t stride_head,
+                                                    int head) {
+  const int64_t block = slot >> block_size_log2;
+  const int64_t offset = slot & ((int64_t(1) << block_size_log2) - 1);
+  return block * stride_block + head * stride_head + offset * 256;
+}
+
+// Store 8 values of one lane into a cache row half (K or V): bf16, or e4m3(x / scale).
+template <bool kFp8>
+__device__ __forceinline__ void store_cache_lane(void* cache, int64_t elem_offset,
+                                                 const float (&x)[8], float scale) {
+  if constexpr (kFp8) {
+    *reinterpret_cast<uint2*>(static_cast<uint8_t*>(cache) + elem_offset) =
+        quantize_e4m3x8(x, scale);
+  } else {
+    *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(cache) + elem_offset) = pack_bf16x8(x);
+  }
+}
+
+}  // namespace m3rt::kernels

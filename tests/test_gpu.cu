@@ -1,0 +1,203 @@
+// GPU tests (skipped with a message when no CUDA device is present):
+//   - the host dtype conversions equal CUDA's device conversions bit for bit;
+//   - CUDA-graph capture of the context-K/V writer and the QK insert: inputs changed in place
+//     (values, positions, slots) then replayed match an eager run bit for bit;
+// The ops' GPU-vs-CPU checks run from test_check.cpp (the `m3rt check` registry).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "check/check_util.h"
+#include "m3rt/m3rt.h"
+
+namespace {
+
+using namespace m3rt;
+using detail::Rng;
+
+#define REQUIRE_GPU()                                                                           \
+  do {                                                                                          \
+    if (!cuda_available()) GTEST_SKIP() << "no CUDA device present; GPU test not run";        \
+  } while (0)
+
+#define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
+
+// ------------------------------------------------------------------------------------------------
+__global__ void convert_kernel(const float* in, int64_t n, uint16_t* bf, uint16_t* hf, uint8_t* e4) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float x = in[i];
+    const __nv_bfloat16 b = __float2bfloat16_rn(x);
+    const __half h = __float2half_rn(x);
+    bf[i] = *reinterpret_cast<const uint16_t*>(&b);
+    hf[i] = *reinterpret_cast<const uint16_t*>(&h);
+    e4[i] = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+  }
+}
+
+TEST(Gpu, HostConversionsMatchDevice) {
+  REQUIRE_GPU();
+  // Every float bit pattern with the low 6 bits set by the stride (2^26 values), plus every float
+  // whose top 16 bits are any bf16 and low bits hit bf16/fp16/e4m3 rounding ties (0x8000, 0x1000).
+  std::vector<float> xs;
+  for (uint64_t u = 0; u < (1ull << 32); u += 64) xs.push_back(bits_float(uint32_t(u) ^ 0x15u));
+  for (uint32_t hi = 0; hi < 65536; ++hi)
+    for (uint32_t lo : {0x0000u, 0x8000u, 0x7fffu, 0x8001u, 0x1000u, 0x0fffu, 0x2000u})
+      xs.push_back(bits_float((hi << 16) | lo));
+  const int64_t n = int64_t(xs.size());
+  float* din;
+  uint16_t *dbf, *dhf;
+  uint8_t* de4;
+  CUDA_OK(cudaMalloc(&din, n * 4));
+  CUDA_OK(cudaMalloc(&dbf, n * 2));
+  CUDA_OK(cudaMalloc(&dhf, n * 2));
+  CUDA_OK(cudaMalloc(&de4, n));
+  CUDA_OK(cudaMemcpy(din, xs.data(), n * 4, cudaMemcpyHostToDevice));
+  convert_kernel<<<4096, 256>>>(din, n, dbf, dhf, de4);
+  CUDA_OK(cudaGetLastError());
+  std::vector<uint16_t> bf(n), hf(n);
+  std::vector<uint8_t> e4(n);
+  CUDA_OK(cudaMemcpy(bf.data(), dbf, n * 2, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(hf.data(), dhf, n * 2, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(e4.data(), de4, n, cudaMemcpyDeviceToHost));
+  int64_t bad_bf = 0, bad_hf = 0, bad_e4 = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = xs[size_t(i)];
+    if (float_to_bf16(x) != bf[i] && bad_bf++ < 3)
+      ADD_FAILURE() << "bf16 of 0x" << std::hex << float_bits(x) << ": host " << float_to_bf16(x) << " device " << bf[i];
+    if (float_to_fp16(x) != hf[i] && bad_hf++ < 3)
+      ADD_FAILURE() << "fp16 of 0x" << std::hex << float_bits(x) << ": host " << float_to_fp16(x) << " device " << hf[i];
+    if (float_to_e4m3(x) != e4[i] && bad_e4++ < 3)
+      ADD_FAILURE() << "e4m3 of 0x" << std::hex << float_bits(x) << ": host " << int(float_to_e4m3(x)) << " device " << int(e4[i]);
+  }
+  EXPECT_EQ(bad_bf, 0);
+  EXPECT_EQ(bad_hf, 0);
+  EXPECT_EQ(bad_e4, 0);
+  cudaFree(din);
+  cudaFree(dbf);
+  cudaFree(dhf);
+  cudaFree(de4);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Copies host data into an existing device tensor (in place: graph captures keep the address).
+void upload(const Tensor& dst, const Tensor& src) {
+  ASSERT_EQ(dst.nbytes(), src.nbytes());
+  ASSERT_EQ(cudaMemcpy(dst.data(), src.data(), size_t(src.nbytes()), cudaMemcpyHostToDevice), cudaSuccess);
+}
+
+bool same_bytes(const Tensor& a, const Tensor& b) {
+  Tensor ha = a.to(Device::cpu()), hb = b.to(Device::cpu());
+  return ha.nbytes() == hb.nbytes() && std::memcmp(ha.data(), hb.data(), size_t(ha.nbytes())) == 0;
+}
+
+struct GraphCase {
+  static constexpr int L = 5, nkv = 4, bs = 128, rot = 64, nq = 16;
+  static constexpr int64_t n = 300, T = 40, max_pos = 8192, nb = 12;
+  bool fp8;
+  Rng rng{42};
+  // Device state captured by the graph (fixed addresses).
+  Tensor all_kv, w, positions, slots, table, qkv, qw, kw, qpos, qslots, qk_cache;
+  std::vector<Tensor> caches, ks, vs;
+  std::vector<DsparkDraftLayerKv> layers;
+
+  explicit GraphCase(bool fp8_) : fp8(fp8_) {
+    const Device g = Device::cuda();
+    const DType cdt = fp8 ? DType::kUInt8 : DType::kBFloat16;
+    all_kv = Tensor::empty({n, L, 2, nkv, 128}, DType::kBFloat16, g);
+    w = detail::random_half({L, 128}, DType::kBFloat16, rng, -1, 1).to(g);
+    positions = Tensor::empty({n}, DType::kInt64, g);
+    slots = Tensor::empty({n}, DType::kInt64, g);
+    table = detail::rope_table(max_pos, rot).to(g);
+    qkv = Tensor::empty({T, (nq + 2 * nkv) * 128}, DType::kBFloat16, g);
+    qw = detail::random_half({128}, DType::kBFloat16, rng, -1, 1).to(g);
+    kw = detail::random_half({128}, DType::kBFloat16, rng, -1, 1).to(g);
+    qpos = Tensor::empty({T}, DType::kInt64, g);
+    qslots = Tensor::empty({T}, DType::kInt64, g);
+    qk_cache = Tensor::empty({nb, nkv, bs, 256}, cdt, g);
+    for (int l = 0; l < L; ++l) {
+      caches.push_back(Tensor::empty({nb, nkv, bs, 256}, cdt, g));
+      ks.push_back(detail::scalar_f32(0.5f + 0.25f * l).to(g));
+      vs.push_back(detail::scalar_f32(2.0f - 0.25f * l).to(g));
+      layers.push_back({caches.back(), fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto, ks.back(), vs.back()});
+    }
+  }
+  // New values, positions and slots, written into the same device buffers.
+  void refill() {
+    upload(all_kv, detail::random_half({n, L, 2, nkv, 128}, DType::kBFloat16, rng, -3, 3));
+    upload(qkv, detail::random_half({T, (nq + 2 * nkv) * 128}, DType::kBFloat16, rng, -3, 3));
+    std::vector<int64_t> p(n), qp(T);
+    for (auto& x : p) x = rng.integer(0, max_pos - 1);
+    for (auto& x : qp) x = rng.integer(0, max_pos - 1);
+    upload(positions, detail::int64_vector(p));
+    upload(qpos, detail::int64_vector(qp));
+    upload(slots, detail::int64_vector(detail::random_slots(n, nb * bs, 9, rng)));
+    upload(qslots, detail::int64_vector(detail::random_slots(T, nb * bs, 4, rng)));
+    for (auto& c : caches) c.fill_bytes(0xFF);
+    qk_cache.fill_bytes(0xFF);
+  }
+  void run(DsparkContextKvWriter& writer, cudaStream_t s) {
+    writer({.all_kv = all_kv, .k_norm_weight = w, .eps = 1e-6f, .positions = positions,
+            .cos_sin_cache = table, .rotary_dim = rot, .slot_mapping = slots}, s);
+    qknorm_rope_kv_insert({.qkv = qkv, .q_norm_weight = qw, .k_norm_weight = kw, .cos_sin_cache = table,
+                           .positions = qpos, .num_heads = nq, .num_kv_heads = nkv, .rotary_dim = rot,
+                           .eps = 1e-6f, .slot_mapping = qslots, .kv_cache = qk_cache,
+                           .kv_cache_dtype = fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto,
+                           .k_scale = ks[0], .v_scale = vs[0]}, s);
+  }
+  std::vector<Tensor> snapshot() {
+    std::vector<Tensor> out;
+    for (auto& c : caches) out.push_back(c.to(Device::cpu()));
+    out.push_back(qk_cache.to(Device::cpu()));
+    out.push_back(qkv.to(Device::cpu()));
+    return out;
+  }
+};
+
+class GpuGraph : public ::testing::TestWithParam<bool> {};
+
+TEST_P(GpuGraph, ReplayAfterInPlaceChangesMatchesEagerBitwise) {
+  REQUIRE_GPU();
+  GraphCase c(GetParam());
+  DsparkContextKvWriter writer(c.layers);
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  c.refill();
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  c.run(writer, s);
+  CUDA_OK(cudaStreamEndCapture(s, &graph));
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int round = 0; round < 3; ++round) {
+    // Eager on fresh inputs ...
+    c.refill();
+    const Tensor qkv_in = c.qkv.to(Device::cpu());
+    c.run(writer, s);
+    CUDA_OK(cudaStreamSynchronize(s));
+    const auto eager = c.snapshot();
+    // ... then the same inputs restored in place and the graph replayed.
+    for (auto& cache : c.caches) cache.fill_bytes(0xFF);
+    c.qk_cache.fill_bytes(0xFF);
+    upload(c.qkv, qkv_in);
+    CUDA_OK(cudaGraphLaunch(exec, s));
+    CUDA_OK(cudaStreamSynchronize(s));
+    const auto replay = c.snapshot();
+    for (size_t i = 0; i < eager.size(); ++i)
+      EXPECT_TRUE(same_bytes(eager[i], replay[i])) << "round " << round << " buffer " << i;
+  }
+  EXPECT_EQ(writer.table_builds(), 1);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
+INSTANTIATE_TEST_SUITE_P(CacheDtype, GpuGraph, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "fp8" : "bf16"; });
+
+}  // namespace

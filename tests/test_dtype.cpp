@@ -113,18 +113,18 @@ int check_float(float x) {
   int bad = 0;
   const Oracle& o = oracle();
   if (m3rt::float_to_bf16(x) != o.to_bf16(x)) {
-    ADD_FAILURE() << "float_to_bf16(" << x << " = " << hex(float_bits(x)) << ") = "
-                  << hex(m3rt::float_to_bf16(x)) << ", expected " << hex(o.to_bf16(x));
+    ADD_FAILURE() << "float_to_bf16(" << x << " = " << hex(float_bits(x))
+                  << ") = " << hex(m3rt::float_to_bf16(x)) << ", expected " << hex(o.to_bf16(x));
     ++bad;
   }
   if (m3rt::float_to_fp16(x) != o.to_fp16(x)) {
-    ADD_FAILURE() << "float_to_fp16(" << x << " = " << hex(float_bits(x)) << ") = "
-                  << hex(m3rt::float_to_fp16(x)) << ", expected " << hex(o.to_fp16(x));
+    ADD_FAILURE() << "float_to_fp16(" << x << " = " << hex(float_bits(x))
+                  << ") = " << hex(m3rt::float_to_fp16(x)) << ", expected " << hex(o.to_fp16(x));
     ++bad;
   }
   if (m3rt::float_to_e4m3(x) != o.to_e4m3(x)) {
-    ADD_FAILURE() << "float_to_e4m3(" << x << " = " << hex(float_bits(x)) << ") = "
-                  << hex(m3rt::float_to_e4m3(x)) << ", expected " << hex(o.to_e4m3(x));
+    ADD_FAILURE() << "float_to_e4m3(" << x << " = " << hex(float_bits(x))
+                  << ") = " << hex(m3rt::float_to_e4m3(x)) << ", expected " << hex(o.to_e4m3(x));
     ++bad;
   }
   return bad;
@@ -209,7 +209,8 @@ TEST(Dtype, EncodeStridedSweepOfAllFloats) {
   // ~16.7M floats at a prime stride: every exponent, many mantissas, both signs, NaNs and infs.
   constexpr uint64_t kStride = 257;
   int bad = 0;
-  for (uint64_t u = 0; u <= 0xffffffffull && bad < 20; u += kStride) bad += check_float(bits_float(uint32_t(u)));
+  for (uint64_t u = 0; u <= 0xffffffffull && bad < 20; u += kStride)
+    bad += check_float(bits_float(uint32_t(u)));
   // Also the low-mantissa neighbourhood of every exponent (subnormals of every format included).
   for (uint32_t e = 0; e < 256 && bad < 20; ++e)
     for (uint32_t m = 0; m < 64; ++m)
@@ -246,9 +247,17 @@ TEST(Dtype, NamedSpecialValues) {
   const float qnan = std::numeric_limits<float>::quiet_NaN();
   const float snan = bits_float(0x7f800001u), neg_nan = bits_float(0xffc00000u);
   // Every named value through the oracle comparison...
-  for (float x : {0.0f, -0.0f, 448.0f, 464.0f, 480.0f, 449.0f, 65504.0f, 65519.99f, 65520.0f, inf, qnan,
-                  snan, neg_nan, 0x1p-149f, 0x1p-126f, 0x1p-127f, 0x1p-24f, 0x1p-25f, 0x1p-10f,
-                  0x1p-9f, 0x1p-10f * 3, std::numeric_limits<float>::max()})
+  for (float x : {0.0f,         -0.0f,
+                  448.0f,       464.0f,
+                  480.0f,       449.0f,
+                  65504.0f,     65519.99f,
+                  65520.0f,     inf,
+                  qnan,         snan,
+                  neg_nan,      0x1p-149f,
+                  0x1p-126f,    0x1p-127f,
+                  0x1p-24f,     0x1p-25f,
+                  0x1p-10f,     0x1p-9f,
+                  0x1p-10f * 3, std::numeric_limits<float>::max()})
     EXPECT_EQ(check_around(x), 0) << "around " << x;
 
   // ... and the decisive ones spelled out, so a wrong oracle cannot hide a wrong library.
@@ -272,8 +281,8 @@ TEST(Dtype, NamedSpecialValues) {
   EXPECT_EQ(m3rt::float_to_bf16(inf), 0x7f80);
   EXPECT_EQ(m3rt::float_to_bf16(-inf), 0xff80);
   EXPECT_EQ(m3rt::float_to_bf16(std::numeric_limits<float>::max()), 0x7f80);  // rounds up to inf
-  EXPECT_EQ(m3rt::float_to_bf16(bits_float(0x3f808000u)), 0x3f80);  // tie, even stays
-  EXPECT_EQ(m3rt::float_to_bf16(bits_float(0x3f818000u)), 0x3f82);  // tie, odd rounds up
+  EXPECT_EQ(m3rt::float_to_bf16(bits_float(0x3f808000u)), 0x3f80);            // tie, even stays
+  EXPECT_EQ(m3rt::float_to_bf16(bits_float(0x3f818000u)), 0x3f82);            // tie, odd rounds up
 
   EXPECT_EQ(m3rt::float_to_fp16(65504.0f), 0x7bff);
   EXPECT_EQ(m3rt::float_to_fp16(std::nextafter(65520.0f, 0.0f)), 0x7bff);

@@ -69,8 +69,7 @@ Layers make_layers(int L, bool fp8 = false, int nkv = 2, int bs = 16, int nb = 4
   for (int l = 0; l < L; ++l) {
     Tensor c = filled({nb, nkv, bs, 256}, fp8 ? DType::kUInt8 : DType::kBFloat16, 0);
     Tensor k = scale_of(1.0f), v = scale_of(1.0f);
-    s.layers.push_back(
-        {c.view(), fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto, k.view(), v.view()});
+    s.layers.push_back({c.view(), fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto, k.view(), v.view()});
     s.owned.insert(s.owned.end(), {c, k, v});
   }
   return s;
@@ -108,8 +107,7 @@ TEST(DsparkLayout, TooManyLayers) {
 TEST(DsparkLayout, UnsupportedKvCacheDtypeE5m2) {
   Layers s = make_layers(2, true);
   s.layers[1].kv_cache_dtype = KvCacheDtype::kFp8E5M2;
-  EXPECT_THAT(reason(s.layers),
-              AllOf(HasSubstr("layer 1"), HasSubstr("kv_cache_dtype 'fp8_e5m2'")));
+  EXPECT_THAT(reason(s.layers), AllOf(HasSubstr("layer 1"), HasSubstr("kv_cache_dtype 'fp8_e5m2'")));
 }
 
 TEST(DsparkLayout, UnsupportedKvCacheDtypeNvfp4) {
@@ -176,16 +174,15 @@ TEST(DsparkLayout, ScaleNotFp32) {
   Layers s = make_layers(2, true);
   s.layers[1].v_scale.dtype = DType::kFloat16;
   EXPECT_THAT(reason(s.layers),
-              AllOf(HasSubstr("layer 1: v_scale is not a one-element fp32 tensor"),
-                    HasSubstr("float16[1]")));
+              AllOf(HasSubstr("layer 1: v_scale is not a one-element fp32 tensor"), HasSubstr("float16[1]")));
 }
 
 TEST(DsparkLayout, ScaleNotOneElement) {
   Layers s = make_layers(1, true);
   Tensor two = filled({2}, DType::kFloat32, 0);
   s.layers[0].k_scale = two.view();
-  EXPECT_THAT(reason(s.layers), AllOf(HasSubstr("k_scale is not a one-element fp32 tensor"),
-                                      HasSubstr("float32[2]")));
+  EXPECT_THAT(reason(s.layers),
+              AllOf(HasSubstr("k_scale is not a one-element fp32 tensor"), HasSubstr("float32[2]")));
 }
 
 TEST(DsparkLayout, ScaleMissing) {
@@ -197,17 +194,16 @@ TEST(DsparkLayout, ScaleMissing) {
 TEST(DsparkLayout, ScaleOnAnotherDevice) {
   Layers s = make_layers(2, true);
   s.layers[1].k_scale.device = Device::cuda(0);  // metadata only: never dereferenced
-  EXPECT_THAT(reason(s.layers), AllOf(HasSubstr("layer 1: k_scale"),
-                                      HasSubstr("cache's device (cpu)"), HasSubstr("on cuda:0")));
+  EXPECT_THAT(reason(s.layers), AllOf(HasSubstr("layer 1: k_scale"), HasSubstr("cache's device (cpu)"),
+                                      HasSubstr("on cuda:0")));
 }
 
 TEST(DsparkLayout, LayersDifferInShape) {
   Layers s = make_layers(2);
   Tensor c = filled({5, 2, 16, 256}, DType::kBFloat16, 0);
   s.layers[1].kv_cache = c.view();
-  EXPECT_THAT(reason(s.layers),
-              AllOf(HasSubstr("layer 1: layers do not share cache shape/stride/dtype"),
-                    HasSubstr("[5, 2, 16, 256]")));
+  EXPECT_THAT(reason(s.layers), AllOf(HasSubstr("layer 1: layers do not share cache shape/stride/dtype"),
+                                      HasSubstr("[5, 2, 16, 256]")));
 }
 
 TEST(DsparkLayout, LayersDifferInStride) {
@@ -242,12 +238,10 @@ TEST(DsparkLayout, CachesNot16ElementAligned) {
   s.layers[1].kv_cache = carve(n + 16);  // 16 elements apart from a whole cache: fine
   EXPECT_FALSE(DsparkContextKvWriter::validate(s.layers).has_value());
   s.layers[1].kv_cache = carve(n + 8);  // 8 elements: refused
-  EXPECT_THAT(reason(s.layers),
-              HasSubstr("layer 1: layer caches are not 16-element aligned to each other"));
+  EXPECT_THAT(reason(s.layers), HasSubstr("layer 1: layer caches are not 16-element aligned to each other"));
 }
 
-// ---- call arguments: table-driven bad-argument cases
-// ---------------------------------------------
+// ---- call arguments: table-driven bad-argument cases -------------------------------------------
 
 // A valid call of one op on small CPU tensors; `make` allocates tensors that live as long as it.
 struct CallBase {
@@ -300,33 +294,21 @@ TEST(DsparkCallArgs, BadArguments) {
   using C = DsparkCall;
   const std::string op = "dspark_context_kv_write: ";
   expect_bad_args<C>({
-      {"L mismatch",
-       [](C& c) {
-         c.a.all_kv = c.make({3, 3, 2, 2, 128}, DType::kBFloat16);
-       },
+      {"L mismatch", [](C& c) { c.a.all_kv = c.make({3, 3, 2, 2, 128}, DType::kBFloat16); },
        {op + "all_kv.shape = [3, 3, 2, 2, 128]", "expected [*, 2, 2, 2, 128]"}},
-      {"nkv mismatch",
-       [](C& c) {
-         c.a.all_kv = c.make({3, 2, 2, 4, 128}, DType::kBFloat16);
-       },
+      {"nkv mismatch", [](C& c) { c.a.all_kv = c.make({3, 2, 2, 4, 128}, DType::kBFloat16); },
        {"all_kv.shape = [3, 2, 2, 4, 128]", "expected [*, 2, 2, 2, 128]"}},
-      {"all_kv dtype",
-       [](C& c) { c.a.all_kv.dtype = DType::kFloat16; },
+      {"all_kv dtype", [](C& c) { c.a.all_kv.dtype = DType::kFloat16; },
        {"all_kv.dtype = float16", "bfloat16"}},
-      {"all_kv heads not contiguous",
-       [](C& c) { c.a.all_kv.stride[3] = 256; },
+      {"all_kv heads not contiguous", [](C& c) { c.a.all_kv.stride[3] = 256; },
        {"all_kv.strides = (1024, 512, 256, 256, 1)"}},
-      {"positions int32",
-       [](C& c) { c.a.positions = c.make({3}, DType::kInt32); },
+      {"positions int32", [](C& c) { c.a.positions = c.make({3}, DType::kInt32); },
        {"positions.dtype = int32", "int64"}},
-      {"positions length",
-       [](C& c) { c.a.positions = c.make({4}, DType::kInt64); },
+      {"positions length", [](C& c) { c.a.positions = c.make({4}, DType::kInt64); },
        {"positions.shape = [4]", "expected [3]"}},
-      {"slot_mapping int32",
-       [](C& c) { c.a.slot_mapping = c.make({3}, DType::kInt32); },
+      {"slot_mapping int32", [](C& c) { c.a.slot_mapping = c.make({3}, DType::kInt32); },
        {"slot_mapping.dtype = int32"}},
-      {"slot_mapping length",
-       [](C& c) { c.a.slot_mapping = c.make({2}, DType::kInt64, 0xff); },
+      {"slot_mapping length", [](C& c) { c.a.slot_mapping = c.make({2}, DType::kInt64, 0xff); },
        {"slot_mapping.shape = [2]", "expected [3]"}},
       {"rotary_dim 48",
        [](C& c) {
@@ -334,18 +316,11 @@ TEST(DsparkCallArgs, BadArguments) {
          c.a.rotary_dim = 48;
        },
        {"rotary_dim = 48", "16, 32 or 64"}},
-      {"table width",
-       [](C& c) { c.a.rotary_dim = 64; },
+      {"table width", [](C& c) { c.a.rotary_dim = 64; },
        {"cos_sin_cache.shape = [64, 32]", "expected [*, 64]"}},
-      {"k_norm_weight width",
-       [](C& c) {
-         c.a.k_norm_weight = c.make({2, 64}, DType::kBFloat16);
-       },
+      {"k_norm_weight width", [](C& c) { c.a.k_norm_weight = c.make({2, 64}, DType::kBFloat16); },
        {"k_norm_weight.shape = [2, 64]", "expected [2, 128]"}},
-      {"k_norm_weight layers",
-       [](C& c) {
-         c.a.k_norm_weight = c.make({3, 128}, DType::kBFloat16);
-       },
+      {"k_norm_weight layers", [](C& c) { c.a.k_norm_weight = c.make({3, 128}, DType::kBFloat16); },
        {"k_norm_weight.shape = [3, 128]"}},
       {"eps", [](C& c) { c.a.eps = -1.0f; }, {"eps = -1"}},
   });
@@ -365,35 +340,20 @@ struct RacCall : CallBase {  // T 3, nkv 2, fp8 cache [4, 2, 16, 256]
 TEST(ReshapeAndCacheArgs, BadArguments) {
   using C = RacCall;
   expect_bad_args<C>({
-      {"key dtype",
-       [](C& c) { c.k.dtype = DType::kFloat16; },
+      {"key dtype", [](C& c) { c.k.dtype = DType::kFloat16; },
        {"reshape_and_cache: key.dtype = float16", "bfloat16"}},
-      {"value heads",
-       [](C& c) {
-         c.v = c.make({3, 4, 128}, DType::kBFloat16);
-       },
+      {"value heads", [](C& c) { c.v = c.make({3, 4, 128}, DType::kBFloat16); },
        {"value.shape = [3, 4, 128]", "expected [*, 2, 128]"}},
-      {"value tokens",
-       [](C& c) {
-         c.v = c.make({2, 2, 128}, DType::kBFloat16);
-       },
+      {"value tokens", [](C& c) { c.v = c.make({2, 2, 128}, DType::kBFloat16); },
        {"value.shape = [2, 2, 128]", "key.shape [3, 2, 128]"}},
       {"missing k_scale", [](C& c) { c.ks = TensorView{}; }, {"k_scale = (none): is required"}},
-      {"two-element v_scale",
-       [](C& c) { c.vs = c.make({2}, DType::kFloat32); },
+      {"two-element v_scale", [](C& c) { c.vs = c.make({2}, DType::kFloat32); },
        {"v_scale.shape = [2]", "one fp32 value"}},
-      {"bf16 cache declared fp8",
-       [](C& c) {
-         c.cache = c.make({4, 2, 16, 256}, DType::kBFloat16);
-       },
+      {"bf16 cache declared fp8", [](C& c) { c.cache = c.make({4, 2, 16, 256}, DType::kBFloat16); },
        {"kv_cache.dtype = bfloat16", "uint8"}},
-      {"block size 96",
-       [](C& c) {
-         c.cache = c.make({4, 2, 96, 256}, DType::kUInt8);
-       },
+      {"block size 96", [](C& c) { c.cache = c.make({4, 2, 96, 256}, DType::kUInt8); },
        {"kv_cache.shape = [4, 2, 96, 256]", "power of two"}},
-      {"slot_mapping int32",
-       [](C& c) { c.slots = c.make({3}, DType::kInt32); },
+      {"slot_mapping int32", [](C& c) { c.slots = c.make({3}, DType::kInt32); },
        {"slot_mapping.dtype = int32"}},
       {"nvfp4", [](C& c) { c.dt = KvCacheDtype::kNvfp4; }, {"kv_cache_dtype = nvfp4"}},
   });
@@ -423,39 +383,25 @@ struct QkCall : CallBase {  // T 3, nq 2, nkv 1, rotary 64, max_pos 16
 TEST(QknormRopeArgs, BadArguments) {
   using C = QkCall;
   std::vector<BadArg<C>> cases = {
-      {"slot_mapping without kv_cache",
-       [](C& c) { c.a.kv_cache = TensorView{}; },
+      {"slot_mapping without kv_cache", [](C& c) { c.a.kv_cache = TensorView{}; },
        {"qknorm_rope_kv_insert: slot_mapping = int64[3] on cpu", "without kv_cache"}},
-      {"qkv width",
-       [](C& c) { c.a.num_kv_heads = 2; },
+      {"qkv width", [](C& c) { c.a.num_kv_heads = 2; },
        {"qkv.shape = [3, 512]", "expected [*, 768]"}},
       {"num_heads 0", [](C& c) { c.a.num_heads = 0; }, {"num_heads = 0"}},
       {"rotary_dim 48", [](C& c) { c.a.rotary_dim = 48; }, {"rotary_dim = 48"}},
-      {"q_out shape",
-       [](C& c) {
-         c.a.q_out = c.make({3, 128}, DType::kBFloat16);
-       },
+      {"q_out shape", [](C& c) { c.a.q_out = c.make({3, 128}, DType::kBFloat16); },
        {"q_out.shape = [3, 128]", "expected [3, 256]"}},
-      {"q_fp8_out dtype",
-       [](C& c) {
-         c.a.q_fp8_out = c.make({3, 256}, DType::kBFloat16);
-       },
+      {"q_fp8_out dtype", [](C& c) { c.a.q_fp8_out = c.make({3, 256}, DType::kBFloat16); },
        {"q_fp8_out.dtype = bfloat16"}},
-      {"missing v_scale",
-       [](C& c) { c.a.v_scale = TensorView{}; },
+      {"missing v_scale", [](C& c) { c.a.v_scale = TensorView{}; },
        {"v_scale = (none): is required"}},
-      {"cache heads",
-       [](C& c) {
-         c.a.kv_cache = c.make({2, 2, 16, 256}, DType::kUInt8);
-       },
+      {"cache heads", [](C& c) { c.a.kv_cache = c.make({2, 2, 16, 256}, DType::kUInt8); },
        {"kv_cache.shape = [2, 2, 16, 256]", "expected [*, 1, *, 256]"}},
-      {"positions int32",
-       [](C& c) { c.a.positions = c.make({3}, DType::kInt32); },
+      {"positions int32", [](C& c) { c.a.positions = c.make({3}, DType::kInt32); },
        {"positions.dtype = int32"}},
   };
   for (float s : {0.0f, -0.5f, NAN, INFINITY})
-    cases.push_back({"q_fp8_scale",
-                     [s](C& c) { c.a.q_fp8_scale = s; },
+    cases.push_back({"q_fp8_scale", [s](C& c) { c.a.q_fp8_scale = s; },
                      {"q_fp8_scale = ", "must be finite and > 0"}});
   expect_bad_args<C>(cases);
 }
@@ -466,33 +412,22 @@ struct NormCall : CallBase {  // x, out, residual [4, 64]
   float eps = 1e-6f;
   bool fused = false;
   void call() {
-    if (fused)
-      m3rt::gemma_fused_add_rms_norm(out, x, res, w, eps);
-    else
-      m3rt::gemma_rms_norm(out, x, w, eps);
+    if (fused) m3rt::gemma_fused_add_rms_norm(out, x, res, w, eps);
+    else m3rt::gemma_rms_norm(out, x, w, eps);
   }
 };
 
 TEST(GemmaNormArgs, BadArguments) {
   using C = NormCall;
   expect_bad_args<C>({
-      {"x float32",
-       [](C& c) { c.x.dtype = DType::kFloat32; },
+      {"x float32", [](C& c) { c.x.dtype = DType::kFloat32; },
        {"gemma_rms_norm: x.dtype = float32", "bfloat16 or float16"}},
-      {"weight shape",
-       [](C& c) { c.w = c.make({32}, DType::kBFloat16); },
+      {"weight shape", [](C& c) { c.w = c.make({32}, DType::kBFloat16); },
        {"weight.shape = [32]", "expected [64]"}},
       {"weight dtype", [](C& c) { c.w.dtype = DType::kFloat16; }, {"weight.dtype = float16"}},
-      {"out shape",
-       [](C& c) {
-         c.out = c.out.reshaped({2, 128});
-       },
+      {"out shape", [](C& c) { c.out = c.out.reshaped({2, 128}); },
        {"out.shape = [2, 128]", "x.shape [4, 64]"}},
-      {"x 4-D",
-       [](C& c) {
-         c.x = c.x.reshaped({1, 2, 2, 64});
-       },
-       {"x.shape = [1, 2, 2, 64]"}},
+      {"x 4-D", [](C& c) { c.x = c.x.reshaped({1, 2, 2, 64}); }, {"x.shape = [1, 2, 2, 64]"}},
       {"eps", [](C& c) { c.eps = -1e-6f; }, {"eps = -0.000001"}},
       {"fused: residual shape",
        [](C& c) {
@@ -524,11 +459,9 @@ struct SwigluCall : CallBase {  // gate_up [3, 16], out [3, 8]
 TEST(SwigluArgs, BadArguments) {
   using C = SwigluCall;
   expect_bad_args<C>({
-      {"odd width",
-       [](C& c) { c.in = c.in.narrowed(1, 0, 15); },
+      {"odd width", [](C& c) { c.in = c.in.narrowed(1, 0, 15); },
        {"swiglu_oai: gate_up.shape = [3, 15]", "2*I"}},
-      {"out shape",
-       [](C& c) { c.out = c.out.narrowed(1, 0, 4); },
+      {"out shape", [](C& c) { c.out = c.out.narrowed(1, 0, 4); },
        {"out.shape = [3, 4]", "expected [3, 8]"}},
       {"out dtype", [](C& c) { c.out.dtype = DType::kFloat16; }, {"out.dtype = float16"}},
       {"gate_up float32", [](C& c) { c.in.dtype = DType::kFloat32; }, {"gate_up.dtype = float32"}},
@@ -556,8 +489,7 @@ void expect_throws_and_untouched(Call& call, const std::vector<TensorView>& watc
                                  const std::string& arg, const std::string& value) {
   std::vector<std::vector<uint8_t>> before;
   for (const TensorView& v : watched) before.push_back(bytes_of(v));
-  EXPECT_THAT(error_of([&] { call.call(); }),
-              AllOf(HasSubstr(arg + " = " + value), HasSubstr("must")));
+  EXPECT_THAT(error_of([&] { call.call(); }), AllOf(HasSubstr(arg + " = " + value), HasSubstr("must")));
   for (size_t i = 0; i < watched.size(); ++i)
     EXPECT_EQ(bytes_of(watched[i]), before[i]) << "tensor " << i << " was written before the error";
 }
@@ -581,19 +513,14 @@ TEST(OutOfRange, QknormSlotAndPosition) {
     set_i64(c.a.slot_mapping, {0, 1, bad_slot ? 32 : 2});
     set_i64(c.a.positions, {0, 15, bad_slot ? 3 : 16});
     expect_throws_and_untouched(c, {c.a.qkv, c.a.kv_cache, c.a.q_fp8_out},
-                                bad_slot ? "slot_mapping[2]" : "positions[2]",
-                                bad_slot ? "32" : "16");
+                                bad_slot ? "slot_mapping[2]" : "positions[2]", bad_slot ? "32" : "16");
   }
 }
 
 TEST(OutOfRange, DsparkSlotAndPosition) {
   // slot 64 >= 4 blocks x 16; position 64 >= max_pos 64; position -1
-  const struct {
-    int64_t slot, pos;
-    const char *arg, *value;
-  } cases[] = {{64, 3, "slot_mapping[2]", "64"},
-               {9, 64, "positions[2]", "64"},
-               {9, -1, "positions[2]", "-1"}};
+  const struct { int64_t slot, pos; const char *arg, *value; } cases[] = {
+      {64, 3, "slot_mapping[2]", "64"}, {9, 64, "positions[2]", "64"}, {9, -1, "positions[2]", "-1"}};
   for (const auto& bad : cases) {
     DsparkCall c;
     for (auto& l : c.layers.layers) std::memset(l.kv_cache.data, 0xff, l.kv_cache.numel() * 2);

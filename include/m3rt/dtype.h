@@ -5,8 +5,10 @@
 // The conversions are the ones the kernels use on the device, written for the host:
 //   float -> bf16   round-to-nearest-even, NaN -> 0x7FFF          (__float2bfloat16_rn)
 //   float -> fp16   round-to-nearest-even, overflow -> inf, NaN -> 0x7FFF (__float2half_rn)
-//   float -> e4m3   OCP e4m3fn, round-to-nearest-even, saturate to +-448, NaN -> 0x7F|sign
-//                   (__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3))
+//   float -> e4m3   OCP e4m3fn, round-to-nearest-even, saturate to +-448 (inf too), NaN -> 0x7F
+//                   (__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3) on sm_89+, which is
+//                   cvt.rn.satfinite.e4m3x2.f32; CUDA's software path for older GPUs keeps a NaN's
+//                   sign, 0xFF, the only difference — measured on an H200, tests/test_gpu.cu)
 // tests/test_dtype.cpp checks them exhaustively on the host; the GPU test compares them with the
 // device intrinsics over every bf16 value and a dense sweep of floats.
 #pragma once

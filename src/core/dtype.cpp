@@ -62,7 +62,7 @@ uint8_t float_to_e4m3(float x) {
   const uint32_t u = float_bits(x);
   const uint8_t sign = uint8_t((u >> 31) << 7);
   const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return uint8_t(0x7f | sign);  // NaN
+  if (a > 0x7f800000u) return 0x7f;  // NaN: Hopper's cvt.rn.satfinite.e4m3x2 drops the sign
   // 464 = 448 + half an ulp; 464 itself rounds to even (448). Inf saturates too.
   if (a >= 0x43e80000u) return uint8_t(0x7e | sign);
   const float mag = bits_float(a);

@@ -40,10 +40,7 @@ __device__ __forceinline__ uint4 pack_bf16x8(const float (&x)[8]) {
 }
 
 // Round each value to bf16 and back (the "materialized to bf16" boundary).
-__device__ __forceinline__ void round_bf16x8(float (&x)[8]) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) x[i] = __bfloat162float(__float2bfloat16_rn(x[i]));
-}
+__device__ __forceinline__ void round_bf16x8(float (&x)[8]) { unpack_bf16x8(pack_bf16x8(x), x); }
 
 // fp32 -> 8 e4m3fn (saturate to finite, round to nearest even).
 __device__ __forceinline__ uint2 pack_e4m3x8(const float (&x)[8]) {
@@ -75,39 +72,60 @@ __device__ __forceinline__ float half_warp_sum(float v, unsigned mask) {
 }
 
 // Gemma RMSNorm of one head in place: x * (1 / sqrt(mean(x^2) + eps)) * (1 + w), fp32.
-// `w_lane` points at this lane's 8 weights (bf16, 16-byte aligned).
-__device__ __forceinline__ void gemma_norm_head(float (&x)[8], const __nv_bfloat16* w_lane,
-                                                float eps, unsigned mask) {
+// `w1` holds this lane's 8 values of (1 + w) in fp32 (gemma_weight_lane).
+__device__ __forceinline__ void gemma_norm_head(float (&x)[8], const float (&w1)[8], float eps,
+                                                unsigned mask) {
   float ss = 0.f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) ss = __fadd_rn(ss, __fmul_rn(x[i], x[i]));
   ss = half_warp_sum(ss, mask);
   const float inv_rms = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fmul_rn(ss, 1.f / 128.f), eps)));
-  float w[8];
-  unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(w_lane)), w);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], inv_rms), __fadd_rn(1.f, w[i]));
+  for (int i = 0; i < 8; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], inv_rms), w1[i]);
 }
 
-// Partial NeoX RoPE of one head in place, in fp32. Dim i pairs with i + R/2 for i < R/2 (R =
-// kRotaryDim); dims >= R pass through. Lane j owns dims [8j, 8j+8): lanes j < R/16 hold first-half
-// dims, lanes R/16 <= j < R/8 their partners, found R/16 lanes away (xor). Every lane of the
-// half-warp must call this (it shuffles). `row` is the position's table row [cos (R/2) | sin (R/2)].
+// A lane's 8 norm weights as (1 + w) in fp32, loaded once per kernel and reused for every head.
+__device__ __forceinline__ void gemma_weight_lane(const __nv_bfloat16* w_lane, float (&w1)[8]) {
+  unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(w_lane)), w1);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) w1[i] = __fadd_rn(1.f, w1[i]);
+}
+
+// The cos/sin a lane needs for partial NeoX RoPE (R = kRotaryDim): dim i pairs with i + R/2 for
+// i < R/2; dims >= R pass through. Lane j owns dims [8j, 8j+8): lanes j < R/16 hold first-half dims,
+// lanes R/16 <= j < R/8 their partners, R/16 lanes away. Both read cos/sin at (j mod R/16) * 8.
+// Split from the rotation so a kernel can issue these (position-dependent) loads for all its
+// tokens at once. `row` is the position's table row [cos (R/2) | sin (R/2)].
+struct RopeLane {
+  uint4 cos, sin;
+};
 template <int kRotaryDim>
-__device__ __forceinline__ void rope_neox_head(float (&x)[8], int j, const __nv_bfloat16* row,
+__device__ __forceinline__ bool rope_lane_rotates(int j) {
+  return j < kRotaryDim / kDimsPerLane;
+}
+template <int kRotaryDim>
+__device__ __forceinline__ RopeLane load_rope_lane(int j, const __nv_bfloat16* row) {
+  constexpr int kHalf = kRotaryDim / 2, kPartner = kHalf / kDimsPerLane;
+  const int i0 = (j % kPartner) * kDimsPerLane;
+  return {__ldg(reinterpret_cast<const uint4*>(row + i0)),
+          __ldg(reinterpret_cast<const uint4*>(row + kHalf + i0))};
+}
+
+// Partial NeoX RoPE of one head in place, in fp32, with the lane's cos/sin (load_rope_lane; ignored
+// on pass-through lanes). Every lane of the half-warp must call this (it shuffles).
+template <int kRotaryDim>
+__device__ __forceinline__ void rope_neox_head(float (&x)[8], int j, const RopeLane& cs,
                                                unsigned mask) {
   static_assert(kRotaryDim == 16 || kRotaryDim == 32 || kRotaryDim == 64, "rotary 16/32/64");
-  constexpr int kHalf = kRotaryDim / 2;
-  constexpr int kPartner = kHalf / kDimsPerLane;  // lanes between a dim and its partner
+  constexpr int kPartner = kRotaryDim / 2 / kDimsPerLane;  // lanes between a dim and its partner
   float p[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) p[i] = __shfl_xor_sync(mask, x[i], kPartner);
-  if (j >= 2 * kPartner) return;  // pass-through dims
+  if (!rope_lane_rotates<kRotaryDim>(j)) return;  // pass-through dims
   const bool first = j < kPartner;
-  const int i0 = (j % kPartner) * kDimsPerLane;  // index into the cos/sin halves
   float c[8], s[8];
-  unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(row + i0)), c);
-  unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(row + kHalf + i0)), s);
+  unpack_bf16x8(cs.cos, c);
+  unpack_bf16x8(cs.sin, s);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     // first half: x*c - partner*s; second half: x*c + partner*s
@@ -134,6 +152,19 @@ __device__ __forceinline__ void store_cache_lane(void* cache, int64_t elem_offse
         quantize_e4m3x8(x, scale);
   } else {
     *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(cache) + elem_offset) = pack_bf16x8(x);
+  }
+}
+
+// Store 8 bf16 values of one lane unchanged (bf16 cache: the bits as they are) or as e4m3(x / scale).
+template <bool kFp8>
+__device__ __forceinline__ void store_cache_copy(void* cache, int64_t elem_offset, const uint4& raw,
+                                                 float scale) {
+  if constexpr (kFp8) {
+    float x[8];
+    unpack_bf16x8(raw, x);
+    store_cache_lane<true>(cache, elem_offset, x, scale);
+  } else {
+    *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(cache) + elem_offset) = raw;
   }
 }
 

@@ -30,13 +30,11 @@ __global__ void __launch_bounds__(kThreads)
   const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(src + j * kDimsPerLane));
   const int64_t slot = __ldg(p.slots + t);
   if (slot < 0 || slot >= p.num_slots) return;
-  float x[8];
-  unpack_bf16x8(raw, x);
   const int64_t row = cache_row_offset(slot, p.block_size_log2, p.stride_cache_block,
                                        p.stride_cache_head, h);
   float scale = 1.f;
   if constexpr (kFp8) scale = __ldg(side == 0 ? p.k_scale : p.v_scale);
-  store_cache_lane<kFp8>(p.cache, row + side * 128 + j * kDimsPerLane, x, scale);
+  store_cache_copy<kFp8>(p.cache, row + side * 128 + j * kDimsPerLane, raw, scale);
 }
 
 }  // namespace

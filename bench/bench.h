@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,10 @@ double time_us(const std::function<void(int, CUstream_st*)>& call, int num_sets,
 
 // Fills n bf16 values with a hash of (seed, index) mapped to [lo, hi] (never zeros-only data).
 void fill_uniform_bf16(void* p, int64_t n, uint64_t seed, float lo, float hi);
+
+// Rewrites `slots` (0..n-1) as an engine's slot mapping: consecutive tokens fill a block, the
+// blocks taken in shuffled order (a shuffled block table).
+void block_contiguous(std::vector<int64_t>& slots, int block_size, std::mt19937_64& rng);
 
 // How many input sets to rotate so that together they exceed 3x the L2 (60 MB on an H200).
 int sets_beyond_l2(double bytes_per_set, int max_sets = 32);

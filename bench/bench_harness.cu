@@ -110,6 +110,15 @@ void fill_uniform_bf16(void* p, int64_t n, uint64_t seed, float lo, float hi) {
   M3RT_LAUNCH_CHECK(nullptr, "fill_uniform_bf16_kernel");
 }
 
+void block_contiguous(std::vector<int64_t>& slots, int block_size, std::mt19937_64& rng) {
+  const int64_t nb = int64_t(slots.size()) / block_size;
+  std::vector<int64_t> blocks(size_t(nb));
+  for (int64_t b = 0; b < nb; ++b) blocks[size_t(b)] = b;
+  std::shuffle(blocks.begin(), blocks.end(), rng);
+  for (size_t t = 0; t < slots.size(); ++t)
+    slots[t] = blocks[t / size_t(block_size)] * block_size + int64_t(t % size_t(block_size));
+}
+
 int sets_beyond_l2(double bytes_per_set, int max_sets) {
   int l2 = 0;
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));

@@ -37,6 +37,11 @@ else
   NAMES+=("sanitizer"); RESULTS+=("NOT RUN (compute-sanitizer not found)")
 fi
 cuobjdump --dump-resource-usage "$BUILD_DIR/libm3rt.so" >"$OUT/resource.txt" 2>&1
+# SASS instruction mix of the two benchmarked kernels (sm_90a), for docs/perf.md.
+cuobjdump --dump-sass "$BUILD_DIR/libm3rt.so" 2>/dev/null | awk '
+  /Function : /{name=$3; keep=(name ~ /dspark_context_kv_kernelILi64ELb[01]E|qknorm_rope_kv_insert_kernelILi64ELNS_13QkvInsertModeE1E/)}
+  keep && /^ +\/\*[0-9a-f]+\*\/ +[A-Z@]/ {op=$2; if (op ~ /^@/) op=$3; sub(/\..*/, "", op); count[name" "op]++; total[name]++}
+  END {for (k in total) print "SASS", total[k], k; for (k in count) print "OP", count[k], k}' | sort -k2,2nr >>"$OUT/resource.txt"
 step bench bench.log "$BUILD_DIR/m3rt" bench --json "$OUT/bench.json" ${BENCH_ARGS:-}
 
 {

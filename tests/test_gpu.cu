@@ -15,6 +15,7 @@
 
 #include "check/check_util.h"
 #include "m3rt/m3rt.h"
+#include "ops/common/head_math.cuh"
 
 namespace {
 
@@ -82,6 +83,55 @@ TEST(Gpu, HostConversionsMatchDevice) {
   cudaFree(dbf);
   cudaFree(dhf);
   cudaFree(de4);
+}
+
+// ------------------------------------------------------------------------------------------------
+// The kernels' fp8 quantizer (reciprocal + one exact correction) must equal the IEEE division the
+// reference does, for every bf16 input (all the kernels ever quantize) and many scales.
+__global__ void quantizer_kernel(const float* scales, int num_scales, unsigned long long* mismatches,
+                                 unsigned* first) {
+  const int si = blockIdx.y;
+  if (si >= num_scales) return;
+  const m3rt::kernels::E4m3Quantizer quant(scales[si]);
+  for (uint32_t b = blockIdx.x * blockDim.x + threadIdx.x; b < 65536; b += gridDim.x * blockDim.x) {
+    const float x = __uint_as_float(b << 16);
+    const float want = __fdiv_rn(x, scales[si]);
+    const float got = quant.divide(x);
+    if (__float_as_uint(want) != __float_as_uint(got) && !(want != want && got != got)) {
+      atomicAdd(mismatches, 1ull);
+      atomicCAS(first, 0xffffffffu, (unsigned(si) << 16) | b);
+    }
+  }
+}
+
+TEST(Gpu, Fp8QuantizerEqualsIeeeDivision) {
+  REQUIRE_GPU();
+  std::mt19937_64 gen(5);
+  std::vector<float> scales = {1.f, 0.5f, 2.f, 0.37f, 2.5f, 1.f / 3.f, 448.f, 1e-3f, 1e3f, 0x1p-99f,
+                               0x1p99f, 1e-30f, 1e30f, 0.99999994f, 1.0000001f};
+  for (int i = 0; i < 4000; ++i)  // log-uniform over [2^-20, 2^20], random mantissas
+    scales.push_back(std::ldexp(std::uniform_real_distribution<float>(1.f, 2.f)(gen),
+                                int(gen() % 41) - 20));
+  float* d_scales;
+  unsigned long long* d_count;
+  unsigned* d_first;
+  CUDA_OK(cudaMalloc(&d_scales, scales.size() * 4));
+  CUDA_OK(cudaMalloc(&d_count, 8));
+  CUDA_OK(cudaMalloc(&d_first, 4));
+  CUDA_OK(cudaMemcpy(d_scales, scales.data(), scales.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(d_count, 0, 8));
+  CUDA_OK(cudaMemset(d_first, 0xff, 4));
+  quantizer_kernel<<<dim3(64, unsigned(scales.size())), 256>>>(d_scales, int(scales.size()), d_count, d_first);
+  CUDA_OK(cudaGetLastError());
+  unsigned long long count = 0;
+  unsigned first = 0;
+  CUDA_OK(cudaMemcpy(&count, d_count, 8, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(&first, d_first, 4, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(count, 0ull) << "first mismatch: scale " << scales[first >> 16] << ", x = bf16 0x" << std::hex
+                         << (first & 0xffff);
+  cudaFree(d_scales);
+  cudaFree(d_count);
+  cudaFree(d_first);
 }
 
 // ------------------------------------------------------------------------------------------------

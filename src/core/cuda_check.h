@@ -28,10 +28,6 @@ class DeviceGuard {
   int prev_ = -1;
 };
 
-// Benchmark-only override of how many tokens one worker of the per-head kernels handles
-// (M3RT_TUNE_TOKENS = 1, 2 or 4; 0 when unset: each launcher's own choice).
-int tuning_tokens_per_worker();
-
 }  // namespace m3rt::detail
 
 #define M3RT_CUDA_CHECK(expr)                                                   \

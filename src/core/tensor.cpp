@@ -233,15 +233,6 @@ void check_launch(cudaStream_t stream, const char* kernel, const char* file, int
   }
 }
 
-int tuning_tokens_per_worker() {
-  static const int v = [] {
-    const char* env = std::getenv("M3RT_TUNE_TOKENS");
-    const int x = env ? std::atoi(env) : 0;
-    return (x == 1 || x == 2 || x == 4) ? x : 0;
-  }();
-  return v;
-}
-
 DeviceGuard::DeviceGuard(int device) {
   int cur = 0;
   M3RT_CUDA_CHECK(cudaGetDevice(&cur));

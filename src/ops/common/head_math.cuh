@@ -56,13 +56,35 @@ __device__ __forceinline__ uint2 pack_e4m3x8(const float (&x)[8]) {
   return make_uint2(w[0], w[1]);
 }
 
-// x / scale (IEEE division), then e4m3.
-__device__ __forceinline__ uint2 quantize_e4m3x8(const float (&x)[8], float scale) {
-  float q[8];
+// e4m3(x / scale) with x / scale correctly rounded, as the reference computes it, without a full
+// IEEE division per element: with r = RN(1/scale) (once per scale), q = RN(x r) is within an ulp
+// of x / scale, and one correction q + (x - q scale) r (Markstein's step, the residual exact by
+// FMA) gives RN(x / scale) when nothing over- or underflows. Outside [2^-100, 2^100] for q or a
+// scale outside [2^-100, 2^100] it falls back to the IEEE division; tiny quotients become e4m3
+// zero and huge ones saturate either way, so only the fallback's cost is at stake.
+// tests/test_gpu.cu checks it against __fdiv_rn for every bf16 x and many scales.
+struct E4m3Quantizer {
+  float scale = 1.f, inv = 1.f;
+  bool fast = true;
+  E4m3Quantizer() = default;
+  __device__ explicit E4m3Quantizer(float s) {
+    scale = s;
+    inv = __frcp_rn(s);
+    fast = fabsf(s) >= 0x1p-100f && fabsf(s) <= 0x1p100f;
+  }
+  __device__ __forceinline__ float divide(float x) const {
+    const float q = __fmul_rn(x, inv);
+    const float aq = fabsf(q);
+    if (fast && aq >= 0x1p-100f && aq <= 0x1p100f) return __fmaf_rn(__fmaf_rn(-q, scale, x), inv, q);
+    return __fdiv_rn(x, scale);
+  }
+  __device__ __forceinline__ uint2 operator()(const float (&x)[8]) const {
+    float q[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) q[i] = __fdiv_rn(x[i], scale);
-  return pack_e4m3x8(q);
-}
+    for (int i = 0; i < 8; ++i) q[i] = divide(x[i]);
+    return pack_e4m3x8(q);
+  }
+};
 
 // Sum over the 16 lanes of one half-warp; `mask` names the half-warp's lanes.
 __device__ __forceinline__ float half_warp_sum(float v, unsigned mask) {
@@ -146,10 +168,9 @@ __device__ __forceinline__ int64_t cache_row_offset(int64_t slot, int block_size
 // Store 8 values of one lane into a cache row half (K or V): bf16, or e4m3(x / scale).
 template <bool kFp8>
 __device__ __forceinline__ void store_cache_lane(void* cache, int64_t elem_offset,
-                                                 const float (&x)[8], float scale) {
+                                                 const float (&x)[8], const E4m3Quantizer& quant) {
   if constexpr (kFp8) {
-    *reinterpret_cast<uint2*>(static_cast<uint8_t*>(cache) + elem_offset) =
-        quantize_e4m3x8(x, scale);
+    *reinterpret_cast<uint2*>(static_cast<uint8_t*>(cache) + elem_offset) = quant(x);
   } else {
     *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(cache) + elem_offset) = pack_bf16x8(x);
   }
@@ -158,11 +179,11 @@ __device__ __forceinline__ void store_cache_lane(void* cache, int64_t elem_offse
 // Store 8 bf16 values of one lane unchanged (bf16 cache: the bits as they are) or as e4m3(x / scale).
 template <bool kFp8>
 __device__ __forceinline__ void store_cache_copy(void* cache, int64_t elem_offset, const uint4& raw,
-                                                 float scale) {
+                                                 const E4m3Quantizer& quant) {
   if constexpr (kFp8) {
     float x[8];
     unpack_bf16x8(raw, x);
-    store_cache_lane<true>(cache, elem_offset, x, scale);
+    store_cache_lane<true>(cache, elem_offset, x, quant);
   } else {
     *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(cache) + elem_offset) = raw;
   }

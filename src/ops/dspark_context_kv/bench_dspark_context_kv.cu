@@ -4,7 +4,7 @@
 //
 // Bytes per call (the floor): all_kv read (n*L*2*nkv*128*2) + caches written (n*L*2*nkv*128 * 2 or
 // 1) + positions and slots (n*16). Inputs rotate over sets larger than 3x L2; each set writes its
-// own slots. Times are per call inside a CUDA graph of 20 calls (median of 25 replays).
+// own slots, laid out as an engine's: consecutive tokens fill a block, blocks in shuffled order. Times are per call inside a CUDA graph of 20 calls (median of 25 replays).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -40,7 +40,7 @@ std::vector<BenchRow> bench_dspark_context_kv(const BenchEnv& env) {
       const int64_t nb = (int64_t(sets) * n + bs - 1) / bs;
       std::vector<int64_t> perm(size_t(nb * bs));
       std::iota(perm.begin(), perm.end(), 0);
-      std::shuffle(perm.begin(), perm.end(), rng);
+      block_contiguous(perm, bs, rng);
       for (int s = 0; s < sets; ++s) {
         kv[s] = Tensor::empty({n, L, 2, nkv, 128}, DType::kBFloat16, Device::cuda());
         fill_uniform_bf16(kv[s].data(), kv[s].numel(), 100 + s, -2.f, 2.f);

@@ -52,7 +52,7 @@ std::vector<BenchRow> bench_qknorm_rope_kv_insert(const BenchEnv& env) {
     const int64_t nb = (int64_t(sets) * T + bs - 1) / bs;
     std::vector<int64_t> perm(size_t(nb * bs));
     std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng);
+    block_contiguous(perm, bs, rng);
     std::vector<Tensor> qkv(sets), pos(sets), slots(sets), qf8(sets);
     for (int s = 0; s < sets; ++s) {
       qkv[s] = Tensor::empty({T, W}, DType::kBFloat16, Device::cuda());

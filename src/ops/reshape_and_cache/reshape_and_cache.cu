@@ -32,9 +32,9 @@ __global__ void __launch_bounds__(kThreads)
   if (slot < 0 || slot >= p.num_slots) return;
   const int64_t row = cache_row_offset(slot, p.block_size_log2, p.stride_cache_block,
                                        p.stride_cache_head, h);
-  float scale = 1.f;
-  if constexpr (kFp8) scale = __ldg(side == 0 ? p.k_scale : p.v_scale);
-  store_cache_copy<kFp8>(p.cache, row + side * 128 + j * kDimsPerLane, raw, scale);
+  E4m3Quantizer quant;
+  if constexpr (kFp8) quant = E4m3Quantizer(__ldg(side == 0 ? p.k_scale : p.v_scale));
+  store_cache_copy<kFp8>(p.cache, row + side * 128 + j * kDimsPerLane, raw, quant);
 }
 
 }  // namespace

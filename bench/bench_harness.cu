@@ -112,7 +112,7 @@ void fill_uniform_bf16(void* p, int64_t n, uint64_t seed, float lo, float hi) {
 
 void block_contiguous(std::vector<int64_t>& slots, int block_size, std::mt19937_64& rng) {
   const int64_t nb = int64_t(slots.size()) / block_size;
-  std::vector<int64_t> blocks(size_t(nb));
+  std::vector<int64_t> blocks(static_cast<size_t>(nb));
   for (int64_t b = 0; b < nb; ++b) blocks[size_t(b)] = b;
   std::shuffle(blocks.begin(), blocks.end(), rng);
   for (size_t t = 0; t < slots.size(); ++t)

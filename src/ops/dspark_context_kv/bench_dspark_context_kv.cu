@@ -4,7 +4,8 @@
 //
 // Bytes per call (the floor): all_kv read (n*L*2*nkv*128*2) + caches written (n*L*2*nkv*128 * 2 or
 // 1) + positions and slots (n*16). Inputs rotate over sets larger than 3x L2; each set writes its
-// own slots, laid out as an engine's: consecutive tokens fill a block, blocks in shuffled order. Times are per call inside a CUDA graph of 20 calls (median of 25 replays).
+// own slots, laid out as an engine's: consecutive tokens fill a block, blocks in shuffled order.
+// Times are per call inside a CUDA graph of 20 calls (median of 25 replays).
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -59,8 +59,8 @@ __device__ __forceinline__ uint2 pack_e4m3x8(const float (&x)[8]) {
 // e4m3(x / scale) with x / scale correctly rounded, as the reference computes it, without a full
 // IEEE division per element: with r = RN(1/scale) (once per scale), q = RN(x r) is within an ulp
 // of x / scale, and one correction q + (x - q scale) r (Markstein's step, the residual exact by
-// FMA) gives RN(x / scale) when nothing over- or underflows. Outside [2^-100, 2^100] for q or a
-// scale outside [2^-100, 2^100] it falls back to the IEEE division; tiny quotients become e4m3
+// FMA) gives RN(x / scale) when nothing over- or underflows. For q outside [2^-100, 2^100],
+// |x| < 2^-90 or a scale outside [2^-100, 2^100] it falls back to the IEEE division; tiny quotients become e4m3
 // zero and huge ones saturate either way, so only the fallback's cost is at stake.
 // tests/test_gpu.cu checks it against __fdiv_rn for every bf16 x and many scales.
 struct E4m3Quantizer {
@@ -75,7 +75,9 @@ struct E4m3Quantizer {
   __device__ __forceinline__ float divide(float x) const {
     const float q = __fmul_rn(x, inv);
     const float aq = fabsf(q);
-    if (fast && aq >= 0x1p-100f && aq <= 0x1p100f) return __fmaf_rn(__fmaf_rn(-q, scale, x), inv, q);
+    // |x| >= 2^-90 keeps the residual x - q*scale (~2^-24 |x|) a normal number, hence exact.
+    if (fast && aq >= 0x1p-100f && aq <= 0x1p100f && fabsf(x) >= 0x1p-90f)
+      return __fmaf_rn(__fmaf_rn(-q, scale, x), inv, q);
     return __fdiv_rn(x, scale);
   }
   __device__ __forceinline__ uint2 operator()(const float (&x)[8]) const {
@@ -94,23 +96,23 @@ __device__ __forceinline__ float half_warp_sum(float v, unsigned mask) {
 }
 
 // Gemma RMSNorm of one head in place: x * (1 / sqrt(mean(x^2) + eps)) * (1 + w), fp32.
-// `w1` holds this lane's 8 values of (1 + w) in fp32 (gemma_weight_lane).
-__device__ __forceinline__ void gemma_norm_head(float (&x)[8], const float (&w1)[8], float eps,
+// `w_raw` holds this lane's 8 bf16 weights (gemma_weight_lane), kept packed to save registers.
+__device__ __forceinline__ void gemma_norm_head(float (&x)[8], const uint4& w_raw, float eps,
                                                 unsigned mask) {
   float ss = 0.f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) ss = __fadd_rn(ss, __fmul_rn(x[i], x[i]));
   ss = half_warp_sum(ss, mask);
   const float inv_rms = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fmul_rn(ss, 1.f / 128.f), eps)));
+  float w[8];
+  unpack_bf16x8(w_raw, w);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], inv_rms), w1[i]);
+  for (int i = 0; i < 8; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], inv_rms), __fadd_rn(1.f, w[i]));
 }
 
-// A lane's 8 norm weights as (1 + w) in fp32, loaded once per kernel and reused for every head.
-__device__ __forceinline__ void gemma_weight_lane(const __nv_bfloat16* w_lane, float (&w1)[8]) {
-  unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(w_lane)), w1);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) w1[i] = __fadd_rn(1.f, w1[i]);
+// A lane's 8 bf16 norm weights (16 bytes).
+__device__ __forceinline__ uint4 gemma_weight_lane(const __nv_bfloat16* w_lane) {
+  return __ldg(reinterpret_cast<const uint4*>(w_lane));
 }
 
 // The cos/sin a lane needs for partial NeoX RoPE (R = kRotaryDim): dim i pairs with i + R/2 for

@@ -21,11 +21,14 @@ namespace m3rt {
 namespace {
 
 constexpr int kThreads = 256;
+// 6 blocks of 256 per SM (48 warps) caps registers at 40, which fits without spills; the kernel is
+// latency-bound, so resident warps matter (8 blocks, 32 registers, spills).
+constexpr int kMinBlocksPerSm = 6;
 constexpr int kTokensPerBlock = kThreads / kernels::kLanesPerHead;  // one token per half-warp
 constexpr unsigned kMaxGridY = 65535;
 
 template <int kRotaryDim, bool kFp8>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     dspark_context_kv_kernel(const __grid_constant__ DsparkContextKvParams p) {
   using namespace kernels;
   // blockIdx.x: one (layer, kv head) pair, fastest, so the blocks running together read whole
@@ -54,8 +57,7 @@ __global__ void __launch_bounds__(kThreads)
     if (slot < 0 || slot >= p.num_slots || pos < 0 || pos >= p.max_pos) continue;
     RopeLane rope{};
     if (rope_lane_rotates<kRotaryDim>(j)) rope = load_rope_lane<kRotaryDim>(j, table + pos * kRotaryDim);
-    float w1[8];
-    gemma_weight_lane(w_lane, w1);
+    const uint4 w_raw = gemma_weight_lane(w_lane);
     E4m3Quantizer k_q, v_q;
     if constexpr (kFp8) {
       k_q = E4m3Quantizer(__ldg(p.scale0 + p.tables.scale_offsets[l]));
@@ -68,7 +70,7 @@ __global__ void __launch_bounds__(kThreads)
     store_cache_copy<kFp8>(cache, row + 128, v_raw, v_q);
     float x[8];
     unpack_bf16x8(k_raw, x);
-    gemma_norm_head(x, w1, p.eps, mask);
+    gemma_norm_head(x, w_raw, p.eps, mask);
     round_bf16x8(x);
     rope_neox_head<kRotaryDim>(x, j, rope, mask);
     round_bf16x8(x);

@@ -66,11 +66,10 @@ __global__ void __launch_bounds__(kThreads)
     // phase 2: Q or K item: norm and rope in fp32, one rounding.
     RopeLane rope{};
     if (rope_lane_rotates<kRotaryDim>(j)) rope = load_rope_lane<kRotaryDim>(j, table + pos * kRotaryDim);
-    float w1[8];
-    gemma_weight_lane(w_lane, w1);
+    const uint4 w_raw = gemma_weight_lane(w_lane);
     float x[8];
     unpack_bf16x8(raw, x);
-    gemma_norm_head(x, w1, p.eps, mask);
+    gemma_norm_head(x, w_raw, p.eps, mask);
     rope_neox_head<kRotaryDim>(x, j, rope, mask);
     const uint4 out = pack_bf16x8(x);
     // phase 3: stores.

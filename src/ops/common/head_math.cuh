@@ -15,6 +15,8 @@
 namespace m3rt::kernels {
 
 constexpr int kLanesPerHead = 16;
+// Shuffle mask for kernels whose warps stay converged (both halves run the same code path).
+constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kDimsPerLane = 8;
 static_assert(kLanesPerHead * kDimsPerLane == 128, "one half-warp covers a 128-dim head");
 

@@ -6,11 +6,12 @@
 //
 // Grid: (layer x kv head, token runs of 16). A half-warp owns one token of one (layer, kv head),
 // 8 dims per lane: it reads the K and V rows (256 bytes each) and writes one contiguous 512-byte
-// (bf16) or 256-byte (fp8) cache row; every lane works on K and on V. Measured on an H200 (see
-// README): one token per half-warp beat two or four (more registers, fewer resident warps), and
-// (layer, head) as the fastest grid dim keeps the running blocks on whole all_kv rows. Rows with slot < 0 (padding), slot >= num_slots or a position outside the RoPE table
-// are not written. Reference: dspark_context_kv_ref.cpp; test: test_dspark_context_kv.cpp;
-// bench: bench_dspark_context_kv.cu.
+// (bf16) or 256-byte (fp8) cache row; every lane works on K and on V. Measured on an H200
+// (docs/perf.md): one token per half-warp beat two or four (more registers, fewer resident warps),
+// and (layer, head) as the fastest grid dim keeps the running blocks on whole all_kv rows. Rows
+// with slot < 0 (padding), slot >= num_slots or a position outside the RoPE table are not written.
+// Reference: dspark_context_kv_ref.cpp; checks: src/check/check_cases.cpp, tests/test_ops_cpu.cpp,
+// tests/test_gpu.cu (graphs); bench: bench_dspark_context_kv.cu.
 #include <algorithm>
 
 #include "core/cuda_check.h"
@@ -35,9 +36,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   // all_kv rows; blockIdx.y: a run of 16 tokens (grid-stride past 65535 runs). No 64-bit divisions.
   const int l = int(blockIdx.x) / p.num_kv_heads;
   const int h = int(blockIdx.x) - l * p.num_kv_heads;
-  const int lane = threadIdx.x % 32;
-  const int j = lane % kLanesPerHead;
-  const unsigned mask = lane < kLanesPerHead ? 0x0000ffffu : 0xffff0000u;
+  const int j = threadIdx.x % kLanesPerHead;
   const uint16_t* k_src = p.all_kv + (int64_t(l) * 2 * p.num_kv_heads + h) * 128 + j * kDimsPerLane;
   const uint16_t* v_src = k_src + int64_t(p.num_kv_heads) * 128;
   const int64_t elem_size = kFp8 ? 1 : 2;
@@ -45,18 +44,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   const auto* w_lane = reinterpret_cast<const __nv_bfloat16*>(p.k_norm_weight) + l * 128 + j * kDimsPerLane;
   const auto* table = reinterpret_cast<const __nv_bfloat16*>(p.cos_sin);
 
+  // The loop bound is block-uniform and nothing below branches around the shuffles, so each warp
+  // stays converged and shuffles with the full mask (xor distances < 16 stay in each half).
   for (int64_t run = blockIdx.y; run * kTokensPerBlock < p.num_ctx; run += gridDim.y) {
-    const int64_t t = run * kTokensPerBlock + threadIdx.x / kLanesPerHead;
-    if (t >= p.num_ctx) continue;  // uniform per half-warp
+    const int64_t t_raw = run * kTokensPerBlock + threadIdx.x / kLanesPerHead;
+    const int64_t t = t_raw < p.num_ctx ? t_raw : p.num_ctx - 1;  // past the end: loads stay in bounds
     // phase 1: the K and V rows and the token's indices, issued together.
     const uint4 k_raw = __ldcs(reinterpret_cast<const uint4*>(k_src + t * p.stride_all_kv_t));  // read once
     const uint4 v_raw = __ldcs(reinterpret_cast<const uint4*>(v_src + t * p.stride_all_kv_t));
     const int64_t slot = __ldg(p.slots + t);
     const int64_t pos = __ldg(p.positions + t);
     // Padding (slot < 0), slots past the cache and positions past the table: not written.
-    if (slot < 0 || slot >= p.num_slots || pos < 0 || pos >= p.max_pos) continue;
+    const bool write = t_raw < p.num_ctx && slot >= 0 && slot < p.num_slots && pos >= 0 && pos < p.max_pos;
     RopeLane rope{};
-    if (rope_lane_rotates<kRotaryDim>(j)) rope = load_rope_lane<kRotaryDim>(j, table + pos * kRotaryDim);
+    if (rope_lane_rotates<kRotaryDim>(j)) rope = load_rope_lane<kRotaryDim>(j, table + (write ? pos : 0) * kRotaryDim);
     const uint4 w_raw = gemma_weight_lane(w_lane);
     E4m3Quantizer k_q, v_q;
     if constexpr (kFp8) {
@@ -65,16 +66,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     }
     // phase 2: V copied; K normed in fp32, materialized to bf16, rotated in fp32, rounded; both
     // halves of one contiguous cache row.
-    const int64_t row = cache_row_offset(slot, p.block_size_log2, p.stride_cache_block,
+    const int64_t row = cache_row_offset(write ? slot : 0, p.block_size_log2, p.stride_cache_block,
                                          p.stride_cache_head, h) + j * kDimsPerLane;
-    store_cache_copy<kFp8>(cache, row + 128, v_raw, v_q);
+    if (write) store_cache_copy<kFp8>(cache, row + 128, v_raw, v_q);
     float x[8];
     unpack_bf16x8(k_raw, x);
-    gemma_norm_head(x, w_raw, p.eps, mask);
+    gemma_norm_head(x, w_raw, p.eps, kFullMask);
     round_bf16x8(x);
-    rope_neox_head<kRotaryDim>(x, j, rope, mask);
+    rope_neox_head<kRotaryDim>(x, j, rope, kFullMask);
     round_bf16x8(x);
-    store_cache_lane<kFp8>(cache, row, x, k_q);
+    if (write) store_cache_lane<kFp8>(cache, row, x, k_q);
   }
 }
 

@@ -4,12 +4,12 @@
 //   qkv    [T, (nq + 2 nkv) * 128] bf16: [q heads | k heads | v heads]
 //   cache  [num_blocks, nkv, bs, 256] bf16 or e4m3 (uint8)
 //
-// Grid: (runs of 16 head items, tokens). A half-warp (16 lanes x 8 dims) owns one head item of
-// one token; a token has nq q items, nkv k items and, when inserting, nkv v items. The two halves of a warp may hold different tokens or
-// kinds of item, so every shuffle names its own half's lanes. Tokens whose position lies outside
-// the RoPE table are not written, nor are cache rows for slot < 0 or slot >= num_slots.
-// Reference: qknorm_rope_kv_insert_ref.cpp; test: test_qknorm_rope_kv_insert.cpp;
-// bench: bench_qknorm_rope_kv_insert.cu.
+// Grid: (runs of 8 head items, token pairs). A warp owns one head item of two tokens, a half-warp
+// (16 lanes x 8 dims) per token; a token has nq q items, nkv k items and, when inserting, nkv v
+// items. Both halves run the same code path, so the warp shuffles with the full mask. Tokens whose
+// position lies outside the RoPE table are not written, nor are cache rows for slot < 0 or
+// slot >= num_slots. Reference: qknorm_rope_kv_insert_ref.cpp; checks: src/check/check_cases.cpp,
+// tests/test_ops_cpu.cpp; bench: bench_qknorm_rope_kv_insert.cu.
 #include <algorithm>
 
 #include "core/cuda_check.h"
@@ -20,7 +20,8 @@ namespace m3rt {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kItemsPerBlock = kThreads / kernels::kLanesPerHead;  // head items (half-warps)
+constexpr int kItemsPerBlock = kThreads / 32;  // one head item per warp
+constexpr int kTokensPerWarp = 2;              // one token per half-warp
 constexpr unsigned kMaxGridY = 65535;
 
 template <int kRotaryDim, QkvInsertMode kInsert>
@@ -31,30 +32,33 @@ __global__ void __launch_bounds__(kThreads)
   constexpr bool kFp8 = kInsert == QkvInsertMode::kFp8;
   const int nq = p.num_heads, nkv = p.num_kv_heads;
   const int items = nq + nkv * (kHasInsert ? 2 : 1);
-  // blockIdx.x: a run of 16 head items, fastest, so the blocks running together cover whole qkv
-  // rows; blockIdx.y: the token (grid-stride past 65535). No 64-bit divisions.
-  const int s = int(blockIdx.x) * kItemsPerBlock + int(threadIdx.x) / kLanesPerHead;
-  if (s >= items) return;  // uniform per half-warp
-  const int lane = threadIdx.x % 32;
-  const int j = lane % kLanesPerHead;
-  const unsigned mask = (lane < kLanesPerHead) ? 0x0000ffffu : 0xffff0000u;
+  // blockIdx.x: a run of 8 head items (one per warp), fastest, so the blocks running together
+  // cover whole qkv rows; blockIdx.y: a pair of tokens (grid-stride past 65535). Both halves of a
+  // warp work on the same item, so the warp stays converged and shuffles with the full mask.
+  const int s = int(blockIdx.x) * kItemsPerBlock + int(threadIdx.x) / 32;
+  if (s >= items) return;  // warp-uniform
+  const int j = threadIdx.x % kLanesPerHead;
+  const int half = (threadIdx.x / kLanesPerHead) % 2;
   const bool is_q = s < nq, is_v = s >= nq + nkv;
   const auto* table = reinterpret_cast<const __nv_bfloat16*>(p.cos_sin);
   const auto* w_lane = reinterpret_cast<const __nv_bfloat16*>(is_q ? p.q_norm_weight : p.k_norm_weight) +
                        j * kDimsPerLane;
+  E4m3Quantizer quant;
+  if constexpr (kFp8) quant = E4m3Quantizer(__ldg(is_v ? p.v_scale : p.k_scale));
 
-  for (int64_t t = blockIdx.y; t < p.num_tokens; t += gridDim.y) {
+  for (int64_t pair = blockIdx.y; pair * kTokensPerWarp < p.num_tokens; pair += gridDim.y) {
+    const int64_t t_raw = pair * kTokensPerWarp + half;
+    const int64_t t = t_raw < p.num_tokens ? t_raw : p.num_tokens - 1;  // loads stay in bounds
     // phase 1: the head's row and the token's indices, issued together.
     uint16_t* head = p.qkv + t * p.stride_qkv_t + int64_t(s) * 128 + j * kDimsPerLane;
     const uint4 raw = *reinterpret_cast<const uint4*>(head);
     const int64_t pos = __ldg(p.positions + t);
     int64_t slot = -1;
     if constexpr (kHasInsert) slot = __ldg(p.slots + t);
-    if (pos < 0 || pos >= p.max_pos) continue;  // outside the RoPE table: the token is not written
-    const bool write_cache = kHasInsert && slot >= 0 && slot < p.num_slots;
-    E4m3Quantizer quant;
-    if constexpr (kFp8) quant = E4m3Quantizer(__ldg(is_v ? p.v_scale : p.k_scale));
-    if (is_v) {
+    // A token past the end or whose position lies outside the RoPE table is not written.
+    const bool write = t_raw < p.num_tokens && pos >= 0 && pos < p.max_pos;
+    const bool write_cache = write && kHasInsert && slot >= 0 && slot < p.num_slots;
+    if (is_v) {  // warp-uniform
       // V item (insert only): copied to the cache, never changed in qkv.
       if (write_cache) {
         const int64_t row = cache_row_offset(slot, p.block_size_log2, p.stride_cache_block,
@@ -65,13 +69,14 @@ __global__ void __launch_bounds__(kThreads)
     }
     // phase 2: Q or K item: norm and rope in fp32, one rounding.
     RopeLane rope{};
-    if (rope_lane_rotates<kRotaryDim>(j)) rope = load_rope_lane<kRotaryDim>(j, table + pos * kRotaryDim);
+    if (rope_lane_rotates<kRotaryDim>(j)) rope = load_rope_lane<kRotaryDim>(j, table + (write ? pos : 0) * kRotaryDim);
     const uint4 w_raw = gemma_weight_lane(w_lane);
     float x[8];
     unpack_bf16x8(raw, x);
-    gemma_norm_head(x, w_raw, p.eps, mask);
-    rope_neox_head<kRotaryDim>(x, j, rope, mask);
+    gemma_norm_head(x, w_raw, p.eps, kFullMask);
+    rope_neox_head<kRotaryDim>(x, j, rope, kFullMask);
     const uint4 out = pack_bf16x8(x);
+    if (!write) continue;
     // phase 3: stores.
     if (is_q) {
       const int64_t o = t * int64_t(nq) * 128 + int64_t(s) * 128 + j * kDimsPerLane;
@@ -98,8 +103,9 @@ __global__ void __launch_bounds__(kThreads)
 template <int kRotaryDim, QkvInsertMode kInsert>
 void launch(const QknormRopeKvInsertParams& p, cudaStream_t stream) {
   const int items = p.num_heads + p.num_kv_heads * (kInsert != QkvInsertMode::kNone ? 2 : 1);
+  const int64_t pairs = (p.num_tokens + kTokensPerWarp - 1) / kTokensPerWarp;
   const dim3 grid(unsigned((items + kItemsPerBlock - 1) / kItemsPerBlock),
-                  unsigned(std::min<int64_t>(p.num_tokens, kMaxGridY)));
+                  unsigned(std::min<int64_t>(pairs, kMaxGridY)));
   qknorm_rope_kv_insert_kernel<kRotaryDim, kInsert><<<grid, kThreads, 0, stream>>>(p);
   M3RT_LAUNCH_CHECK(stream, "qknorm_rope_kv_insert_kernel");
 }

@@ -22,14 +22,16 @@ namespace m3rt {
 namespace {
 
 constexpr int kThreads = 256;
-// 6 blocks of 256 per SM (48 warps) caps registers at 40, which fits without spills; the kernel is
-// latency-bound, so resident warps matter (8 blocks, 32 registers, spills).
-constexpr int kMinBlocksPerSm = 6;
+// Resident blocks of 256 per SM: 6 (48 warps) caps registers at 40, which the bf16 kernel fits
+// without spills; the fp8 one needs 5 (51 registers). The kernel is latency-bound, so resident
+// warps matter (8 blocks, 32 registers, spills).
+template <bool kFp8>
+constexpr int kMinBlocksPerSm = kFp8 ? 5 : 6;
 constexpr int kTokensPerBlock = kThreads / kernels::kLanesPerHead;  // one token per half-warp
 constexpr unsigned kMaxGridY = 65535;
 
 template <int kRotaryDim, bool kFp8>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<kFp8>)
     dspark_context_kv_kernel(const __grid_constant__ DsparkContextKvParams p) {
   using namespace kernels;
   // blockIdx.x: one (layer, kv head) pair, fastest, so the blocks running together read whole

@@ -160,6 +160,23 @@ __device__ __forceinline__ void rope_neox_head(float (&x)[8], int j, const RopeL
   }
 }
 
+// Asynchronous global -> shared copies (cp.async, sm_80+): the bytes in flight occupy no
+// registers, so a kernel can keep the next work item's rows loading while it computes.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_8(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most `kPending` of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
 // Where a paged-cache row lives: [block, head, offset, 0..255] with slot = block * bs + offset.
 __device__ __forceinline__ int64_t cache_row_offset(int64_t slot, int block_size_log2,
                                                     int64_t stride_block, int64_t stride_head,

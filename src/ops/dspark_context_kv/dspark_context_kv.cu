@@ -22,69 +22,109 @@ namespace m3rt {
 namespace {
 
 constexpr int kThreads = 256;
-// Resident blocks of 256 per SM: 6 (48 warps) caps registers at 40, which the bf16 kernel fits
-// without spills; the fp8 one needs 5 (51 registers). The kernel is latency-bound, so resident
-// warps matter (8 blocks, 32 registers, spills).
-template <bool kFp8>
-constexpr int kMinBlocksPerSm = kFp8 ? 5 : 6;
-constexpr int kTokensPerBlock = kThreads / kernels::kLanesPerHead;  // one token per half-warp
+// Resident blocks of 256 per SM (up to 64 registers a thread). The bytes in flight live in shared
+// memory, so occupancy matters less than the pipeline depth: 4 blocks x 2 runs ahead x 8 KB = 64 KB
+// of loads in flight per SM, about what the H200's bandwidth-latency product asks for.
+constexpr int kMinBlocksPerSm = 4;
+constexpr int kStages = 3;  // the run being computed and two in flight
+constexpr int kTokensPerRun = kThreads / kernels::kLanesPerHead;  // one token per half-warp
 constexpr unsigned kMaxGridY = 65535;
 
+// One stage of the pipeline: a run's K and V rows (each lane's 16 bytes) and its indices.
+struct Stage {
+  uint4 rows[kTokensPerRun][2][kernels::kLanesPerHead];  // [token][K, V][lane]
+  int64_t idx[kTokensPerRun][2];                          // [token][slot, position]
+};
+
 template <int kRotaryDim, bool kFp8>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<kFp8>)
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     dspark_context_kv_kernel(const __grid_constant__ DsparkContextKvParams p) {
   using namespace kernels;
+  __shared__ Stage stages[kStages];  // 8.25 KB each
   // blockIdx.x: one (layer, kv head) pair, fastest, so the blocks running together read whole
-  // all_kv rows; blockIdx.y: a run of 16 tokens (grid-stride past 65535 runs). No 64-bit divisions.
+  // all_kv rows; blockIdx.y: the first of the runs of 16 tokens this block walks (stride
+  // gridDim.y). No 64-bit divisions.
   const int l = int(blockIdx.x) / p.num_kv_heads;
   const int h = int(blockIdx.x) - l * p.num_kv_heads;
   const int j = threadIdx.x % kLanesPerHead;
+  const int tok = threadIdx.x / kLanesPerHead;  // the half-warp's token within a run
   const uint16_t* k_src = p.all_kv + (int64_t(l) * 2 * p.num_kv_heads + h) * 128 + j * kDimsPerLane;
   const uint16_t* v_src = k_src + int64_t(p.num_kv_heads) * 128;
   const int64_t elem_size = kFp8 ? 1 : 2;
   void* cache = static_cast<char*>(p.cache0) + p.tables.cache_offsets[l] * elem_size;
-  const auto* w_lane = reinterpret_cast<const __nv_bfloat16*>(p.k_norm_weight) + l * 128 + j * kDimsPerLane;
   const auto* table = reinterpret_cast<const __nv_bfloat16*>(p.cos_sin);
+  const uint4 w_raw = gemma_weight_lane(reinterpret_cast<const __nv_bfloat16*>(p.k_norm_weight) +
+                                        l * 128 + j * kDimsPerLane);
+  E4m3Quantizer k_q, v_q;
+  if constexpr (kFp8) {
+    k_q = E4m3Quantizer(__ldg(p.scale0 + p.tables.scale_offsets[l]));
+    v_q = E4m3Quantizer(__ldg(p.scale0 + p.tables.scale_offsets[p.num_layers + l]));
+  }
+  // Each lane copies (and later reads) its own 16 bytes of the rows; lane 0 of a half-warp copies
+  // the token's slot and position, read by the half-warp after a __syncwarp.
+  auto prefetch = [&](int64_t run, Stage& st) {
+    const int64_t t = run * kTokensPerRun + tok;
+    if (t < p.num_ctx) {
+      cp_async_16(&st.rows[tok][0][j], k_src + t * p.stride_all_kv_t);
+      cp_async_16(&st.rows[tok][1][j], v_src + t * p.stride_all_kv_t);
+      if (j == 0) {
+        cp_async_8(&st.idx[tok][0], p.slots + t);
+        cp_async_8(&st.idx[tok][1], p.positions + t);
+      }
+    }
+    cp_async_commit();  // an empty group past the end keeps the wait counts uniform
+  };
 
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) prefetch(blockIdx.y + int64_t(i) * gridDim.y, stages[i]);
+  int cur = 0;
   // The loop bound is block-uniform and nothing below branches around the shuffles, so each warp
   // stays converged and shuffles with the full mask (xor distances < 16 stay in each half).
-  for (int64_t run = blockIdx.y; run * kTokensPerBlock < p.num_ctx; run += gridDim.y) {
-    const int64_t t_raw = run * kTokensPerBlock + threadIdx.x / kLanesPerHead;
-    const int64_t t = t_raw < p.num_ctx ? t_raw : p.num_ctx - 1;  // past the end: loads stay in bounds
-    // phase 1: the K and V rows and the token's indices, issued together.
-    const uint4 k_raw = __ldcs(reinterpret_cast<const uint4*>(k_src + t * p.stride_all_kv_t));  // read once
-    const uint4 v_raw = __ldcs(reinterpret_cast<const uint4*>(v_src + t * p.stride_all_kv_t));
-    const int64_t slot = __ldg(p.slots + t);
-    const int64_t pos = __ldg(p.positions + t);
+  for (int64_t run = blockIdx.y; run * kTokensPerRun < p.num_ctx;
+       run += gridDim.y, cur = (cur + 1) % kStages) {
+    prefetch(run + int64_t(kStages - 1) * gridDim.y, stages[(cur + kStages - 1) % kStages]);
+    cp_async_wait<kStages - 1>();  // this run's copies have landed
+    __syncwarp();
+    const Stage& st = stages[cur];
+    const int64_t t = run * kTokensPerRun + tok;
+    const bool in_range = t < p.num_ctx;
+    const int64_t slot = in_range ? st.idx[tok][0] : -1;
+    const int64_t pos = in_range ? st.idx[tok][1] : 0;
     // Padding (slot < 0), slots past the cache and positions past the table: not written.
-    const bool write = t_raw < p.num_ctx && slot >= 0 && slot < p.num_slots && pos >= 0 && pos < p.max_pos;
+    const bool write = slot >= 0 && slot < p.num_slots && pos >= 0 && pos < p.max_pos;
     RopeLane rope{};
     if (rope_lane_rotates<kRotaryDim>(j)) rope = load_rope_lane<kRotaryDim>(j, table + (write ? pos : 0) * kRotaryDim);
-    const uint4 w_raw = gemma_weight_lane(w_lane);
-    E4m3Quantizer k_q, v_q;
-    if constexpr (kFp8) {
-      k_q = E4m3Quantizer(__ldg(p.scale0 + p.tables.scale_offsets[l]));
-      v_q = E4m3Quantizer(__ldg(p.scale0 + p.tables.scale_offsets[p.num_layers + l]));
-    }
-    // phase 2: V copied; K normed in fp32, materialized to bf16, rotated in fp32, rounded; both
-    // halves of one contiguous cache row.
+    // V copied; K normed in fp32, materialized to bf16, rotated in fp32, rounded; both halves of
+    // one contiguous cache row.
     const int64_t row = cache_row_offset(write ? slot : 0, p.block_size_log2, p.stride_cache_block,
                                          p.stride_cache_head, h) + j * kDimsPerLane;
-    if (write) store_cache_copy<kFp8>(cache, row + 128, v_raw, v_q);
+    if (write) store_cache_copy<kFp8>(cache, row + 128, st.rows[tok][1][j], v_q);
     float x[8];
-    unpack_bf16x8(k_raw, x);
+    unpack_bf16x8(st.rows[tok][0][j], x);
     gemma_norm_head(x, w_raw, p.eps, kFullMask);
     round_bf16x8(x);
     rope_neox_head<kRotaryDim>(x, j, rope, kFullMask);
     round_bf16x8(x);
     if (write) store_cache_lane<kFp8>(cache, row, x, k_q);
+    __syncwarp();  // every lane has read this stage's indices before lane 0 refills it
   }
+  cp_async_wait<0>();
 }
 
 template <int kRotaryDim, bool kFp8>
 void launch(const DsparkContextKvParams& p, cudaStream_t stream) {
-  const int64_t runs = (p.num_ctx + kTokensPerBlock - 1) / kTokensPerBlock;
-  const dim3 grid(unsigned(p.num_layers * p.num_kv_heads), unsigned(std::min<int64_t>(runs, kMaxGridY)));
+  // Enough blocks to fill the GPU once (each then walks several runs, prefetching the next while
+  // computing the current), but no more than there are runs.
+  static const int resident = [] {
+    int sms = 0, dev = 0;
+    M3RT_CUDA_CHECK(cudaGetDevice(&dev));
+    M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    return sms * kMinBlocksPerSm;
+  }();
+  const int pairs = p.num_layers * p.num_kv_heads;
+  const int64_t runs = (p.num_ctx + kTokensPerRun - 1) / kTokensPerRun;
+  const int64_t waves = std::max<int64_t>(1, resident / pairs);
+  const dim3 grid(unsigned(pairs), unsigned(std::min<int64_t>({runs, waves, kMaxGridY})));
   dspark_context_kv_kernel<kRotaryDim, kFp8><<<grid, kThreads, 0, stream>>>(p);
   M3RT_LAUNCH_CHECK(stream, "dspark_context_kv_kernel");
 }

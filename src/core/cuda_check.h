@@ -28,6 +28,10 @@ class DeviceGuard {
   int prev_ = -1;
 };
 
+// Multiprocessors of the current device (cached per device): kernels that walk their work in a
+// loop launch one wave, multiprocessors x resident blocks per SM.
+int multiprocessor_count();
+
 }  // namespace m3rt::detail
 
 #define M3RT_CUDA_CHECK(expr)                                                   \

@@ -233,6 +233,17 @@ void check_launch(cudaStream_t stream, const char* kernel, const char* file, int
   }
 }
 
+int multiprocessor_count() {
+  static std::atomic<int> cache[64] = {};
+  int dev = 0;
+  M3RT_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 64 && cache[dev] > 0) return cache[dev];
+  int sms = 0;
+  M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  if (dev < 64) cache[dev] = sms;
+  return sms;
+}
+
 DeviceGuard::DeviceGuard(int device) {
   int cur = 0;
   M3RT_CUDA_CHECK(cudaGetDevice(&cur));

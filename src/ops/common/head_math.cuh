@@ -62,30 +62,47 @@ __device__ __forceinline__ uint2 pack_e4m3x8(const float (&x)[8]) {
 // IEEE division per element: with r = RN(1/scale) (once per scale), q = RN(x r) is within an ulp
 // of x / scale, and one correction q + (x - q scale) r (Markstein's step, the residual exact by
 // FMA) gives RN(x / scale) when nothing over- or underflows. For q outside [2^-100, 2^100],
-// |x| < 2^-90 or a scale outside [2^-100, 2^100] it falls back to the IEEE division; tiny quotients become e4m3
+// |x| < 2^-90 or a scale outside [2^-100, 2^10] it falls back to the IEEE division; tiny quotients become e4m3
 // zero and huge ones saturate either way, so only the fallback's cost is at stake.
 // tests/test_gpu.cu checks it against __fdiv_rn for every bf16 x and many scales.
 struct E4m3Quantizer {
   float scale = 1.f, inv = 1.f;
-  bool fast = true;
+  float hi = 0.f;  // |x| <= hi keeps |q| <= 2^100; 0 turns the fast path off
   E4m3Quantizer() = default;
   __device__ explicit E4m3Quantizer(float s) {
     scale = s;
     inv = __frcp_rn(s);
-    fast = fabsf(s) >= 0x1p-100f && fabsf(s) <= 0x1p100f;
+    // Needs scale in [2^-100, 2^10]: then |x| >= 2^-90 gives |q| >= 2^-100.
+    hi = (fabsf(s) >= 0x1p-100f && fabsf(s) <= 0x1p10f) ? __fmul_rn(fabsf(s), 0x1p99f) : 0.f;
   }
   __device__ __forceinline__ float divide(float x) const {
-    const float q = __fmul_rn(x, inv);
-    const float aq = fabsf(q);
-    // |x| >= 2^-90 keeps the residual x - q*scale (~2^-24 |x|) a normal number, hence exact.
-    if (fast && aq >= 0x1p-100f && aq <= 0x1p100f && fabsf(x) >= 0x1p-90f)
+    const float ax = fabsf(x);
+    // |x| >= 2^-90 also keeps the residual x - q*scale (~2^-24 |x|) a normal number, hence exact.
+    if (ax >= 0x1p-90f && ax <= hi) {
+      const float q = __fmul_rn(x, inv);
       return __fmaf_rn(__fmaf_rn(-q, scale, x), inv, q);
+    }
     return __fdiv_rn(x, scale);
   }
   __device__ __forceinline__ uint2 operator()(const float (&x)[8]) const {
-    float q[8];
+    // One range check for the lane's 8 values, then the branch-free fast path.
+    float lo_abs = fabsf(x[0]), hi_abs = lo_abs;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) q[i] = divide(x[i]);
+    for (int i = 1; i < 8; ++i) {
+      lo_abs = fminf(lo_abs, fabsf(x[i]));
+      hi_abs = fmaxf(hi_abs, fabsf(x[i]));
+    }
+    float q[8];
+    if (lo_abs >= 0x1p-90f && hi_abs <= hi) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float q0 = __fmul_rn(x[i], inv);
+        q[i] = __fmaf_rn(__fmaf_rn(-q0, scale, x[i]), inv, q0);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) q[i] = divide(x[i]);
+    }
     return pack_e4m3x8(q);
   }
 };

@@ -115,12 +115,7 @@ template <int kRotaryDim, bool kFp8>
 void launch(const DsparkContextKvParams& p, cudaStream_t stream) {
   // Enough blocks to fill the GPU once (each then walks several runs, prefetching the next while
   // computing the current), but no more than there are runs.
-  static const int resident = [] {
-    int sms = 0, dev = 0;
-    M3RT_CUDA_CHECK(cudaGetDevice(&dev));
-    M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    return sms * kMinBlocksPerSm;
-  }();
+  const int resident = detail::multiprocessor_count() * kMinBlocksPerSm;
   const int pairs = p.num_layers * p.num_kv_heads;
   const int64_t runs = (p.num_ctx + kTokensPerRun - 1) / kTokensPerRun;
   const int64_t waves = std::max<int64_t>(1, resident / pairs);

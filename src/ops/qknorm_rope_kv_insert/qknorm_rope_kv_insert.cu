@@ -21,43 +21,72 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kItemsPerBlock = kThreads / 32;  // one head item per warp
-constexpr int kTokensPerWarp = 2;              // one token per half-warp
+constexpr int kTokensPerStep = 2;              // one token per half-warp
+constexpr int kMinBlocksPerSm = 4;             // up to 64 registers a thread
+constexpr int kStages = 3;                     // the step being computed and two in flight
 constexpr unsigned kMaxGridY = 65535;
 
+// One pipeline stage of one warp: its item's rows for two tokens and their indices.
+struct WarpStage {
+  uint4 rows[kTokensPerStep][kernels::kLanesPerHead];  // [token][lane]
+  int64_t idx[kTokensPerStep][2];                       // [token][position, slot]
+};
+
 template <int kRotaryDim, QkvInsertMode kInsert>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     qknorm_rope_kv_insert_kernel(const __grid_constant__ QknormRopeKvInsertParams p) {
   using namespace kernels;
   constexpr bool kHasInsert = kInsert != QkvInsertMode::kNone;
   constexpr bool kFp8 = kInsert == QkvInsertMode::kFp8;
+  __shared__ WarpStage stages[kStages][kItemsPerBlock];  // 3 x 8 x 544 bytes
   const int nq = p.num_heads, nkv = p.num_kv_heads;
   const int items = nq + nkv * (kHasInsert ? 2 : 1);
   // blockIdx.x: a run of 8 head items (one per warp), fastest, so the blocks running together
-  // cover whole qkv rows; blockIdx.y: a pair of tokens (grid-stride past 65535). Both halves of a
-  // warp work on the same item, so the warp stays converged and shuffles with the full mask.
-  const int s = int(blockIdx.x) * kItemsPerBlock + int(threadIdx.x) / 32;
-  if (s >= items) return;  // warp-uniform
+  // cover whole qkv rows; blockIdx.y: the first token pair this block walks (stride gridDim.y).
+  // Both halves of a warp work on the same item, so the warp stays converged and shuffles with
+  // the full mask. Rows and indices of the next two steps load (cp.async) while one computes.
+  const int w = int(threadIdx.x) / 32;
+  const int s = int(blockIdx.x) * kItemsPerBlock + w;
+  if (s >= items) return;  // warp-uniform; no block-wide barrier follows
   const int j = threadIdx.x % kLanesPerHead;
   const int half = (threadIdx.x / kLanesPerHead) % 2;
   const bool is_q = s < nq, is_v = s >= nq + nkv;
   const auto* table = reinterpret_cast<const __nv_bfloat16*>(p.cos_sin);
-  const auto* w_lane = reinterpret_cast<const __nv_bfloat16*>(is_q ? p.q_norm_weight : p.k_norm_weight) +
-                       j * kDimsPerLane;
+  const uint4 w_raw = is_v ? uint4{} : gemma_weight_lane(reinterpret_cast<const __nv_bfloat16*>(
+                                           is_q ? p.q_norm_weight : p.k_norm_weight) + j * kDimsPerLane);
   E4m3Quantizer quant;
   if constexpr (kFp8) quant = E4m3Quantizer(__ldg(is_v ? p.v_scale : p.k_scale));
+  auto prefetch = [&](int64_t step, WarpStage& st) {
+    const int64_t t = step * kTokensPerStep + half;
+    if (t < p.num_tokens) {
+      cp_async_16(&st.rows[half][j], p.qkv + t * p.stride_qkv_t + int64_t(s) * 128 + j * kDimsPerLane);
+      if (j == 0) {
+        cp_async_8(&st.idx[half][0], p.positions + t);
+        if constexpr (kHasInsert) cp_async_8(&st.idx[half][1], p.slots + t);
+      }
+    }
+    cp_async_commit();  // an empty group past the end keeps the wait counts uniform
+  };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) prefetch(blockIdx.y + int64_t(i) * gridDim.y, stages[i][w]);
 
-  for (int64_t pair = blockIdx.y; pair * kTokensPerWarp < p.num_tokens; pair += gridDim.y) {
-    const int64_t t_raw = pair * kTokensPerWarp + half;
-    const int64_t t = t_raw < p.num_tokens ? t_raw : p.num_tokens - 1;  // loads stay in bounds
-    // phase 1: the head's row and the token's indices, issued together.
-    uint16_t* head = p.qkv + t * p.stride_qkv_t + int64_t(s) * 128 + j * kDimsPerLane;
-    const uint4 raw = *reinterpret_cast<const uint4*>(head);
-    const int64_t pos = __ldg(p.positions + t);
-    int64_t slot = -1;
-    if constexpr (kHasInsert) slot = __ldg(p.slots + t);
+  int cur = 0;
+  for (int64_t step = blockIdx.y; step * kTokensPerStep < p.num_tokens;
+       step += gridDim.y, cur = (cur + 1) % kStages) {
+    prefetch(step + int64_t(kStages - 1) * gridDim.y, stages[(cur + kStages - 1) % kStages][w]);
+    cp_async_wait<kStages - 1>();  // this step's copies have landed
+    __syncwarp();
+    const WarpStage& st = stages[cur][w];
+    const int64_t t = step * kTokensPerStep + half;
+    const bool in_range = t < p.num_tokens;
+    const int64_t pos = in_range ? st.idx[half][0] : -1;
+    const int64_t slot = in_range && kHasInsert ? st.idx[half][1] : -1;
+    const uint4 raw = st.rows[half][j];
+    __syncwarp();  // every lane has read this stage before lane 0 refills it
     // A token past the end or whose position lies outside the RoPE table is not written.
-    const bool write = t_raw < p.num_tokens && pos >= 0 && pos < p.max_pos;
+    const bool write = pos >= 0 && pos < p.max_pos;
     const bool write_cache = write && kHasInsert && slot >= 0 && slot < p.num_slots;
+    uint16_t* head = p.qkv + t * p.stride_qkv_t + int64_t(s) * 128 + j * kDimsPerLane;
     if (is_v) {  // warp-uniform
       // V item (insert only): copied to the cache, never changed in qkv.
       if (write_cache) {
@@ -67,17 +96,15 @@ __global__ void __launch_bounds__(kThreads)
       }
       continue;
     }
-    // phase 2: Q or K item: norm and rope in fp32, one rounding.
+    // Q or K item: norm and rope in fp32, one rounding.
     RopeLane rope{};
     if (rope_lane_rotates<kRotaryDim>(j)) rope = load_rope_lane<kRotaryDim>(j, table + (write ? pos : 0) * kRotaryDim);
-    const uint4 w_raw = gemma_weight_lane(w_lane);
     float x[8];
     unpack_bf16x8(raw, x);
     gemma_norm_head(x, w_raw, p.eps, kFullMask);
     rope_neox_head<kRotaryDim>(x, j, rope, kFullMask);
     const uint4 out = pack_bf16x8(x);
     if (!write) continue;
-    // phase 3: stores.
     if (is_q) {
       const int64_t o = t * int64_t(nq) * 128 + int64_t(s) * 128 + j * kDimsPerLane;
       if (p.q_out) *reinterpret_cast<uint4*>(p.q_out + o) = out;
@@ -98,14 +125,18 @@ __global__ void __launch_bounds__(kThreads)
       store_cache_copy<kFp8>(p.cache, row + j * kDimsPerLane, out, quant);
     }
   }
+  cp_async_wait<0>();
 }
 
 template <int kRotaryDim, QkvInsertMode kInsert>
 void launch(const QknormRopeKvInsertParams& p, cudaStream_t stream) {
+  const int resident = detail::multiprocessor_count() * kMinBlocksPerSm;
   const int items = p.num_heads + p.num_kv_heads * (kInsert != QkvInsertMode::kNone ? 2 : 1);
-  const int64_t pairs = (p.num_tokens + kTokensPerWarp - 1) / kTokensPerWarp;
-  const dim3 grid(unsigned((items + kItemsPerBlock - 1) / kItemsPerBlock),
-                  unsigned(std::min<int64_t>(pairs, kMaxGridY)));
+  const int x_blocks = (items + kItemsPerBlock - 1) / kItemsPerBlock;
+  const int64_t steps = (p.num_tokens + kTokensPerStep - 1) / kTokensPerStep;
+  // Enough blocks to fill the GPU once (each walks several steps), no more than there are steps.
+  const int64_t waves = std::max<int64_t>(1, resident / x_blocks);
+  const dim3 grid(unsigned(x_blocks), unsigned(std::min<int64_t>({steps, waves, kMaxGridY})));
   qknorm_rope_kv_insert_kernel<kRotaryDim, kInsert><<<grid, kThreads, 0, stream>>>(p);
   M3RT_LAUNCH_CHECK(stream, "qknorm_rope_kv_insert_kernel");
 }

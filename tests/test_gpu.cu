@@ -87,7 +87,8 @@ TEST(Gpu, HostConversionsMatchDevice) {
 
 // ------------------------------------------------------------------------------------------------
 // The kernels' fp8 quantizer (reciprocal + one exact correction) must equal the IEEE division the
-// reference does, for every bf16 input (all the kernels ever quantize) and many scales.
+// reference does, for every bf16 input (all the kernels ever quantize) and many scales, both
+// element by element and through the 8-wide path the kernels use.
 __global__ void quantizer_kernel(const float* scales, int num_scales, unsigned long long* mismatches,
                                  unsigned* first) {
   const int si = blockIdx.y;
@@ -97,7 +98,12 @@ __global__ void quantizer_kernel(const float* scales, int num_scales, unsigned l
     const float x = __uint_as_float(b << 16);
     const float want = __fdiv_rn(x, scales[si]);
     const float got = quant.divide(x);
-    if (__float_as_uint(want) != __float_as_uint(got) && !(want != want && got != got)) {
+    // The 8-wide path (one range check per vector), with x in every slot and its neighbours.
+    const float xs[8] = {x, x, -x, x, x * 0.5f, x, x, x};
+    const uint2 codes = quant(xs);
+    const uint8_t want_code = __nv_cvt_float_to_fp8(want, __NV_SATFINITE, __NV_E4M3);
+    const bool vec_ok = (codes.x & 0xff) == want_code && (codes.y >> 24) == want_code;
+    if ((__float_as_uint(want) != __float_as_uint(got) && !(want != want && got != got)) || !vec_ok) {
       atomicAdd(mismatches, 1ull);
       atomicCAS(first, 0xffffffffu, (unsigned(si) << 16) | b);
     }

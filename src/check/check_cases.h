@@ -1,4 +1,5 @@
-// Internal: the per-op checks behind m3rt::run_checks.
+// Internal: the per-op checks behind m3rt::run_checks, one per op in src/ops/<op>/check_<op>.cpp
+// (shared helpers: check/check_helpers.h).
 #pragma once
 
 #include <string>

@@ -10,8 +10,8 @@
 // (docs/perf.md): one token per half-warp beat two or four (more registers, fewer resident warps),
 // and (layer, head) as the fastest grid dim keeps the running blocks on whole all_kv rows. Rows
 // with slot < 0 (padding), slot >= num_slots or a position outside the RoPE table are not written.
-// Reference: dspark_context_kv_ref.cpp; checks: src/check/check_cases.cpp, tests/test_ops_cpu.cpp,
-// tests/test_gpu.cu (graphs); bench: bench_dspark_context_kv.cu.
+// Reference: dspark_context_kv_ref.cpp; checks: check_dspark_context_kv.cpp (m3rt check),
+// test_dspark_context_kv.cpp, tests/test_gpu.cu (graphs); bench: bench_dspark_context_kv.cu.
 #include <algorithm>
 
 #include "core/cuda_check.h"

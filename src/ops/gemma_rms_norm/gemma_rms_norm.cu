@@ -8,7 +8,8 @@
 // inputs (from L2) instead of keeping the row, so any d works. Each thread handles elements
 // i, i + threads, ... so a warp's accesses are coalesced; a thread reads and writes the same
 // elements in both passes, which makes out == x (in place) safe.
-// Reference: gemma_rms_norm_ref.cpp; checks: src/check/check_cases.cpp, tests/test_ops_cpu.cpp.
+// Reference: gemma_rms_norm_ref.cpp; checks: check_gemma_rms_norm.cpp (m3rt check),
+// test_gemma_rms_norm.cpp.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

@@ -81,6 +81,7 @@ std::vector<BenchRow> bench_qknorm_rope_kv_insert(const BenchEnv& env) {
       qknorm_rope_kv_insert(a, st);
     };
     const double fused_us = time_us(fused, sets, true, env);
+    const double eager_us = time_us(fused, sets, false, env);
     auto heads = [&](const Tensor& x, int first, int count) {
       TensorView v = x.view();
       v.ndim = 3;
@@ -109,9 +110,9 @@ std::vector<BenchRow> bench_qknorm_rope_kv_insert(const BenchEnv& env) {
     if (!var.fp8) r.ratios = {{"vs unfused", unfused_us / fused_us}};
     char note[96];
     if (var.fp8) {
-      std::snprintf(note, sizeof(note), "%d sets", sets);
+      std::snprintf(note, sizeof(note), "eager %.2f us; %d sets", eager_us, sets);
     } else {
-      std::snprintf(note, sizeof(note), "unfused %.2f us; %d sets", unfused_us, sets);
+      std::snprintf(note, sizeof(note), "unfused %.2f us; eager %.2f us; %d sets", unfused_us, eager_us, sets);
     }
     r.note = note;
     rows.push_back(r);

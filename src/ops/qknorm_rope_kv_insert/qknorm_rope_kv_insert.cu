@@ -8,8 +8,8 @@
 // (16 lanes x 8 dims) per token; a token has nq q items, nkv k items and, when inserting, nkv v
 // items. Both halves run the same code path, so the warp shuffles with the full mask. Tokens whose
 // position lies outside the RoPE table are not written, nor are cache rows for slot < 0 or
-// slot >= num_slots. Reference: qknorm_rope_kv_insert_ref.cpp; checks: src/check/check_cases.cpp,
-// tests/test_ops_cpu.cpp; bench: bench_qknorm_rope_kv_insert.cu.
+// slot >= num_slots. Reference: qknorm_rope_kv_insert_ref.cpp; checks: check_qknorm_rope_kv_insert.cpp
+// (m3rt check), test_qknorm_rope_kv_insert.cpp; bench: bench_qknorm_rope_kv_insert.cu.
 #include <algorithm>
 
 #include "core/cuda_check.h"

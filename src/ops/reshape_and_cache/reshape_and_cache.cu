@@ -5,7 +5,8 @@
 //
 // Grid: (token runs, kv heads), one warp per (token, kv head); lanes 0..15 carry K, 16..31 V, 8 dims each, so a warp
 // writes one contiguous cache row. slot < 0 or >= num_slots: nothing is written.
-// Reference: reshape_and_cache_ref.cpp; checks: src/check/check_cases.cpp, tests/test_ops_cpu.cpp.
+// Reference: reshape_and_cache_ref.cpp; checks: check_reshape_and_cache.cpp (m3rt check),
+// test_reshape_and_cache.cpp.
 #include "core/cuda_check.h"
 #include "ops/common/head_math.cuh"
 #include "ops/reshape_and_cache/reshape_and_cache.h"

@@ -2,7 +2,7 @@
 // u = clamp(up, -limit, limit), from gate_up [T, 2I] = [gate | up]; fp32 math, one rounding.
 // Grid-stride over T*I elements, one element per thread step (coalesced); expf is CUDA's
 // full-precision exp (<= 2 ulp), so results can differ from the reference by one output ulp.
-// Reference: swiglu_oai_ref.cpp; checks: src/check/check_cases.cpp, tests/test_ops_cpu.cpp.
+// Reference: swiglu_oai_ref.cpp; checks: check_swiglu_oai.cpp (m3rt check), test_swiglu_oai.cpp.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

@@ -1,0 +1,44 @@
+// Internal: helpers shared by the per-op checks of `m3rt check` (src/ops/<op>/check_<op>.cpp).
+//
+// Each check draws fresh inputs, runs the op on the device under test with every output poisoned
+// (0xFF bytes: NaN in bf16, fp16 and e4m3), and compares with
+//   - the CPU reference (the op on CPU tensors) when the device is a GPU, and
+//   - an fp64 evaluation of the spec's formulas, written in the op's check, when the device is the CPU.
+// Tolerances are in units of the output dtype; copies and untouched memory must match bitwise.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "check/check_cases.h"
+#include "m3rt/tensor.h"
+
+namespace m3rt::detail {
+
+constexpr uint8_t kPoison = 0xFF;
+// RoPE in fp32 (two rounded products, then a rounded sum) against fp64: the absolute error is at
+// most ~3 fp32 ulps of the larger term (|term| < 16 here, so < 6e-6), which for a result that
+// nearly cancels is many bf16 ulps of the result. Elements within this distance pass.
+constexpr double kRopeAbsTol = 1e-5;
+
+Tensor poisoned(const std::vector<int64_t>& shape, DType dtype, Device device);
+
+// abs_tol: see compare_codes; used only against the fp64 oracle, never GPU vs reference.
+void add_row(CheckContext& c, const std::string& output, const TensorView& actual,
+             const TensorView& expected, DType code_dtype, double tolerance, double abs_tol = 0);
+
+float b2f(uint16_t v);
+
+// fp64 partial NeoX RoPE of one head given in fp64, with the bf16 table row; rounded to bf16.
+void oracle_rope_f64(const double* n, const uint16_t* cs, int rotary_dim, uint16_t* out);
+
+// fp64 RoPE of a bf16 head.
+void oracle_rope(const uint16_t* x, const uint16_t* cs, int rotary_dim, uint16_t* out);
+
+// Stores 128 bf16 values into a cache row half: bf16, or e4m3(value / scale).
+void oracle_store(void* cache, bool fp8, int64_t elem, const uint16_t* v, double scale);
+
+int64_t cache_elem(const TensorView& cache, int64_t slot, int h);
+
+}  // namespace m3rt::detail

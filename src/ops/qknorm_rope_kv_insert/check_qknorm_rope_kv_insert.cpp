@@ -1,0 +1,152 @@
+// The `m3rt check` rows of qknorm_rope_kv_insert.
+// Shared helpers and the method (poisoned outputs; CPU reference on a GPU, fp64 oracle on the
+// CPU): src/check/check_helpers.h.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "check/check_helpers.h"
+#include "check/check_util.h"
+#include "m3rt/ops.h"
+
+namespace m3rt::detail {
+
+namespace {
+
+// fp64 Gemma RMSNorm of one 128-dim head, then partial NeoX RoPE, rounded once to bf16.
+void oracle_norm_rope(const uint16_t* x, const uint16_t* w, const uint16_t* cs, int rotary_dim,
+                      double eps, uint16_t* out) {
+  double ss = 0;
+  for (int d = 0; d < 128; ++d) ss += double(b2f(x[d])) * b2f(x[d]);
+  const double inv = 1.0 / std::sqrt(ss / 128.0 + eps);
+  double n[128];
+  for (int d = 0; d < 128; ++d) n[d] = double(b2f(x[d])) * inv * (1.0 + b2f(w[d]));
+  oracle_rope_f64(n, cs, rotary_dim, out);
+}
+
+// ------------------------------------------------------------------------------------------------
+// qknorm_rope_kv_insert
+struct QkShape {
+  int nq, nkv, rot, bs;
+  int64_t T;
+  bool insert, fp8_cache, q_out, q_fp8;
+  float q_scale;
+};
+
+void check_qk_variant(CheckContext& c, const QkShape& s) {
+  const int64_t max_pos = 4096, nb = (s.T + s.bs - 1) / s.bs + 2, W = (s.nq + 2 * s.nkv) * 128;
+  const float eps = 1e-6f;
+  c.variant = std::string(!s.insert ? "no-insert" : s.fp8_cache ? "fp8-cache" : "bf16-cache") +
+              " nq" + std::to_string(s.nq) + " nkv" + std::to_string(s.nkv) + " rot" +
+              std::to_string(s.rot) + " T" + std::to_string(s.T) + (s.q_out ? " +q_out" : "") +
+              (s.q_fp8 ? " +q_fp8" : "");
+  Tensor qkv = random_half({s.T, W}, DType::kBFloat16, c.rng, -4, 4);
+  Tensor qw = random_half({128}, DType::kBFloat16, c.rng, -1, 1);
+  Tensor kw = random_half({128}, DType::kBFloat16, c.rng, -1, 1);
+  std::vector<int64_t> pos(static_cast<size_t>(s.T));
+  for (auto& p : pos) p = c.rng.integer(0, max_pos - 1);
+  pos[0] = max_pos - 1;
+  Tensor positions = int64_vector(pos);
+  Tensor slots = int64_vector(random_slots(s.T, nb * s.bs, 6, c.rng));
+  Tensor table = rope_table(max_pos, s.rot);
+  const float ksc = s.fp8_cache ? 0.6f : 1.f, vsc = s.fp8_cache ? 1.7f : 1.f;
+  Tensor k_scale = scalar_f32(ksc), v_scale = scalar_f32(vsc);
+  const DType cdt = s.fp8_cache ? DType::kUInt8 : DType::kBFloat16;
+  const std::vector<int64_t> cshape = {nb, s.nkv, s.bs, 256};
+  struct Out {
+    Tensor qkv, q_out, q_fp8, cache;
+  };
+  auto run = [&](Device dev) {
+    Out o;
+    Tensor x = on(qkv, dev), qwd = on(qw, dev), kwd = on(kw, dev), pd = on(positions, dev),
+           td = on(table, dev), sd = on(slots, dev), ksd = on(k_scale, dev), vsd = on(v_scale, dev);
+    Tensor q_out = poisoned({s.T, int64_t(s.nq) * 128}, DType::kBFloat16, dev);
+    Tensor q_fp8 = poisoned({s.T, int64_t(s.nq) * 128}, DType::kFloat8E4M3, dev);
+    Tensor cache = poisoned(cshape, cdt, dev);
+    QknormRopeKvInsertArgs a{.qkv = x, .q_norm_weight = qwd, .k_norm_weight = kwd,
+                             .cos_sin_cache = td, .positions = pd, .num_heads = s.nq,
+                             .num_kv_heads = s.nkv, .rotary_dim = s.rot, .eps = eps};
+    if (s.q_out) a.q_out = q_out;
+    if (s.q_fp8) {
+      a.q_fp8_out = q_fp8;
+      a.q_fp8_scale = s.q_scale;
+    }
+    if (s.insert) {
+      a.slot_mapping = sd;
+      a.kv_cache = cache;
+      a.kv_cache_dtype = s.fp8_cache ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;
+      a.k_scale = ksd;
+      a.v_scale = vsd;
+    }
+    qknorm_rope_kv_insert(a);
+    return Out{to_host(x), to_host(q_out), to_host(q_fp8), to_host(cache)};
+  };
+  Out got = run(c.device), want;
+  if (c.device.is_cuda()) {
+    want = run(Device::cpu());
+  } else {
+    want = Out{qkv.to(Device::cpu()), poisoned({s.T, int64_t(s.nq) * 128}, DType::kBFloat16, Device::cpu()),
+               poisoned({s.T, int64_t(s.nq) * 128}, DType::kFloat8E4M3, Device::cpu()),
+               poisoned(cshape, cdt, Device::cpu())};
+    const bool q_in_place = !s.q_out && !s.q_fp8;
+    for (int64_t t = 0; t < s.T; ++t) {
+      const uint16_t* row = qkv.ptr<uint16_t>() + t * W;
+      uint16_t* wrow = want.qkv.ptr<uint16_t>() + t * W;
+      const uint16_t* cs = table.ptr<uint16_t>() + pos[size_t(t)] * s.rot;
+      uint16_t y[128];
+      for (int h = 0; h < s.nq; ++h) {
+        oracle_norm_rope(row + h * 128, qw.ptr<uint16_t>(), cs, s.rot, eps, y);
+        for (int d = 0; d < 128; ++d) {
+          const int64_t o = t * s.nq * 128 + h * 128 + d;
+          if (s.q_out) want.q_out.ptr<uint16_t>()[o] = y[d];
+          if (s.q_fp8) want.q_fp8.ptr<uint8_t>()[o] = float_to_e4m3(float(double(b2f(y[d])) / s.q_scale));
+          if (q_in_place) wrow[h * 128 + d] = y[d];
+        }
+      }
+      const int64_t slot = slots.ptr<int64_t>()[t];
+      for (int h = 0; h < s.nkv; ++h) {
+        oracle_norm_rope(row + (s.nq + h) * 128, kw.ptr<uint16_t>(), cs, s.rot, eps, y);
+        std::copy(y, y + 128, wrow + (s.nq + h) * 128);
+        if (!s.insert || slot < 0) continue;
+        const int64_t e = cache_elem(want.cache, slot, h);
+        oracle_store(want.cache.data(), s.fp8_cache, e, y, ksc);
+        oracle_store(want.cache.data(), s.fp8_cache, e + 128, row + (s.nq + s.nkv + h) * 128, vsc);
+      }
+    }
+  }
+  const int64_t qk = int64_t(s.nq + s.nkv) * 128;
+  const double rope_abs = c.device.is_cuda() ? 0 : kRopeAbsTol;
+  add_row(c, "qkv.qk", got.qkv.view().narrowed(1, 0, qk), want.qkv.view().narrowed(1, 0, qk),
+          DType::kBFloat16, 1, rope_abs);
+  add_row(c, "qkv.v", got.qkv.view().narrowed(1, qk, s.nkv * 128),
+          want.qkv.view().narrowed(1, qk, s.nkv * 128), DType::kBFloat16, 0);
+  if (s.q_out) add_row(c, "q_out", got.q_out, want.q_out, DType::kBFloat16, 1, rope_abs);
+  if (s.q_fp8) {
+    add_row(c, "q_fp8_out", got.q_fp8, want.q_fp8, DType::kFloat8E4M3, 1, rope_abs);
+    if (s.q_out) {
+      // Bitwise: the fp8 q is exactly scaled_fp8_quant of the bf16 q the same run produced.
+      Tensor requant = Tensor::empty({s.T, int64_t(s.nq) * 128}, DType::kFloat8E4M3);
+      for (int64_t i = 0; i < requant.numel(); ++i)
+        requant.ptr<uint8_t>()[i] = float_to_e4m3(b2f(got.q_out.ptr<uint16_t>()[i]) * (1.f / s.q_scale));
+      add_row(c, "q_fp8_out=quant(q_out)", got.q_fp8, requant, DType::kFloat8E4M3, 0);
+    }
+  }
+  if (s.insert) {
+    const DType code = s.fp8_cache ? DType::kFloat8E4M3 : DType::kBFloat16;
+    add_row(c, "cache.K", got.cache.view().narrowed(3, 0, 128), want.cache.view().narrowed(3, 0, 128), code, 1,
+            rope_abs);
+    add_row(c, "cache.V", got.cache.view().narrowed(3, 128, 128), want.cache.view().narrowed(3, 128, 128), code, 0);
+  }
+}
+
+}  // namespace
+
+void check_qknorm_rope_kv_insert(CheckContext& c) {
+  check_qk_variant(c, {8, 2, 64, 16, 37, false, false, false, false, 1.f});
+  check_qk_variant(c, {64, 4, 64, 64, 29, true, false, true, false, 1.f});
+  check_qk_variant(c, {16, 4, 32, 16, 41, true, true, true, true, 0.5f});
+  check_qk_variant(c, {8, 1, 16, 128, 9, true, true, false, true, 0.37f});
+}
+
+}  // namespace m3rt::detail

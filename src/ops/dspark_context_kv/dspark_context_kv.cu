@@ -28,14 +28,11 @@ constexpr int kThreads = 256;
 constexpr int kMinBlocksPerSm = 4;
 constexpr int kStages = 3;  // the run being computed and two in flight
 constexpr int kTokensPerRun = kThreads / kernels::kLanesPerHead;  // one token per half-warp
-constexpr int kRopeLanes = 8;  // lanes holding rotated dims: rotary_dim / 8 <= 8
 constexpr unsigned kMaxGridY = 65535;
 
-// One stage of the pipeline: a run's K and V rows (each lane's 16 bytes), its indices, and the
-// RoPE table rows of its positions (fetched one run ahead, once the positions have landed).
+// One stage of the pipeline: a run's K and V rows (each lane's 16 bytes) and its indices.
 struct Stage {
   uint4 rows[kTokensPerRun][2][kernels::kLanesPerHead];  // [token][K, V][lane]
-  uint4 rope[kTokensPerRun][kRopeLanes][2];               // [token][lane][cos, sin]
   int64_t idx[kTokensPerRun][2];                          // [token][slot, position]
 };
 
@@ -43,8 +40,7 @@ template <int kRotaryDim, bool kFp8>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     dspark_context_kv_kernel(const __grid_constant__ DsparkContextKvParams p) {
   using namespace kernels;
-  static_assert(kRotaryDim / kDimsPerLane <= kRopeLanes, "rope lanes");
-  __shared__ Stage stages[kStages];  // 12.25 KB each
+  __shared__ Stage stages[kStages];  // 8.25 KB each
   // blockIdx.x: one (layer, kv head) pair, fastest, so the blocks running together read whole
   // all_kv rows; blockIdx.y: the first of the runs of 16 tokens this block walks (stride
   // gridDim.y). No 64-bit divisions.
@@ -52,7 +48,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   const int h = int(blockIdx.x) - l * p.num_kv_heads;
   const int j = threadIdx.x % kLanesPerHead;
   const int tok = threadIdx.x / kLanesPerHead;  // the half-warp's token within a run
-  const bool rotates = rope_lane_rotates<kRotaryDim>(j);
   const uint16_t* k_src = p.all_kv + (int64_t(l) * 2 * p.num_kv_heads + h) * 128 + j * kDimsPerLane;
   const uint16_t* v_src = k_src + int64_t(p.num_kv_heads) * 128;
   const int64_t elem_size = kFp8 ? 1 : 2;
@@ -65,10 +60,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     k_q = E4m3Quantizer(__ldg(p.scale0 + p.tables.scale_offsets[l]));
     v_q = E4m3Quantizer(__ldg(p.scale0 + p.tables.scale_offsets[p.num_layers + l]));
   }
-  auto in_range = [&](int64_t run) { return run * kTokensPerRun + tok < p.num_ctx; };
   // Each lane copies (and later reads) its own 16 bytes of the rows; lane 0 of a half-warp copies
   // the token's slot and position, read by the half-warp after a __syncwarp.
-  auto prefetch_rows = [&](int64_t run, Stage& st) {
+  auto prefetch = [&](int64_t run, Stage& st) {
     const int64_t t = run * kTokensPerRun + tok;
     if (t < p.num_ctx) {
       cp_async_16(&st.rows[tok][0][j], k_src + t * p.stride_all_kv_t);
@@ -80,46 +74,26 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     }
     cp_async_commit();  // an empty group past the end keeps the wait counts uniform
   };
-  // The RoPE rows of a run whose indices have landed (a position outside the table reads row 0;
-  // such a token is not written).
-  auto prefetch_rope = [&](int64_t run, Stage& st) {
-    if (in_range(run) && rotates) {
-      const int64_t pos = st.idx[tok][1];
-      const int64_t row = (pos >= 0 && pos < p.max_pos) ? pos : 0;
-      constexpr int kHalf = kRotaryDim / 2, kPartner = kHalf / kDimsPerLane;
-      const __nv_bfloat16* r = table + row * kRotaryDim + (j % kPartner) * kDimsPerLane;
-      cp_async_16(&st.rope[tok][j][0], r);
-      cp_async_16(&st.rope[tok][j][1], r + kHalf);
-    }
-    cp_async_commit();
-  };
 
-  // Commit order per iteration i: rows(i+2), rope(i+1); so "all but the 2 newest groups" first
-  // covers rows(i+1) (whose positions rope(i+1) needs), then rope(i).
-  prefetch_rows(blockIdx.y, stages[0]);
-  prefetch_rows(blockIdx.y + int64_t(gridDim.y), stages[1]);
-  cp_async_wait<1>();
-  __syncwarp();
-  prefetch_rope(blockIdx.y, stages[0]);
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) prefetch(blockIdx.y + int64_t(i) * gridDim.y, stages[i]);
   int cur = 0;
   // The loop bound is block-uniform and nothing below branches around the shuffles, so each warp
   // stays converged and shuffles with the full mask (xor distances < 16 stay in each half).
   for (int64_t run = blockIdx.y; run * kTokensPerRun < p.num_ctx;
        run += gridDim.y, cur = (cur + 1) % kStages) {
-    const int next = (cur + 1) % kStages;
-    prefetch_rows(run + 2 * int64_t(gridDim.y), stages[(cur + 2) % kStages]);
-    cp_async_wait<2>();  // rows(i+1) have landed
+    prefetch(run + int64_t(kStages - 1) * gridDim.y, stages[(cur + kStages - 1) % kStages]);
+    cp_async_wait<kStages - 1>();  // this run's copies have landed
     __syncwarp();
-    prefetch_rope(run + gridDim.y, stages[next]);
-    cp_async_wait<2>();  // rope(i) has landed
     const Stage& st = stages[cur];
-    const bool valid = in_range(run);
-    const int64_t slot = valid ? st.idx[tok][0] : -1;
-    const int64_t pos = valid ? st.idx[tok][1] : 0;
+    const int64_t t = run * kTokensPerRun + tok;
+    const bool in_range = t < p.num_ctx;
+    const int64_t slot = in_range ? st.idx[tok][0] : -1;
+    const int64_t pos = in_range ? st.idx[tok][1] : 0;
     // Padding (slot < 0), slots past the cache and positions past the table: not written.
     const bool write = slot >= 0 && slot < p.num_slots && pos >= 0 && pos < p.max_pos;
     RopeLane rope{};
-    if (rotates && valid) rope = {st.rope[tok][j][0], st.rope[tok][j][1]};
+    if (rope_lane_rotates<kRotaryDim>(j)) rope = load_rope_lane<kRotaryDim>(j, table + (write ? pos : 0) * kRotaryDim);
     // V copied; K normed in fp32, materialized to bf16, rotated in fp32, rounded; both halves of
     // one contiguous cache row.
     const int64_t row = cache_row_offset(write ? slot : 0, p.block_size_log2, p.stride_cache_block,

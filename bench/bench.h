@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "m3rt/tensor.h"
+
 struct CUstream_st;
 
 namespace m3rt::bench {
@@ -43,9 +45,14 @@ double time_us(const std::function<void(int, CUstream_st*)>& call, int num_sets,
 // Fills n bf16 values with a hash of (seed, index) mapped to [lo, hi] (never zeros-only data).
 void fill_uniform_bf16(void* p, int64_t n, uint64_t seed, float lo, float hi);
 
-// Rewrites `slots` (0..n-1) as an engine's slot mapping: consecutive tokens fill a block, the
-// blocks taken in shuffled order (a shuffled block table).
-void block_contiguous(std::vector<int64_t>& slots, int block_size, std::mt19937_64& rng);
+// Per-set device index vectors for `sets` calls of `n` tokens: random positions in [0, max_pos)
+// and slots laid out as an engine's (consecutive tokens fill a block, blocks in shuffled order),
+// disjoint across sets; `num_blocks` is the cache size they need.
+struct IndexSets {
+  std::vector<Tensor> positions, slots;  // [sets] x int64 [n], on the GPU
+  int64_t num_blocks = 0;
+};
+IndexSets make_index_sets(int sets, int64_t n, int block_size, int64_t max_pos, std::mt19937_64& rng);
 
 // How many input sets to rotate so that together they exceed 3x the L2 (60 MB on an H200).
 int sets_beyond_l2(double bytes_per_set, int max_sets = 32);

@@ -110,13 +110,23 @@ void fill_uniform_bf16(void* p, int64_t n, uint64_t seed, float lo, float hi) {
   M3RT_LAUNCH_CHECK(nullptr, "fill_uniform_bf16_kernel");
 }
 
-void block_contiguous(std::vector<int64_t>& slots, int block_size, std::mt19937_64& rng) {
-  const int64_t nb = int64_t(slots.size()) / block_size;
-  std::vector<int64_t> blocks(static_cast<size_t>(nb));
-  for (int64_t b = 0; b < nb; ++b) blocks[size_t(b)] = b;
+IndexSets make_index_sets(int sets, int64_t n, int block_size, int64_t max_pos, std::mt19937_64& rng) {
+  IndexSets out;
+  out.num_blocks = (int64_t(sets) * n + block_size - 1) / block_size;
+  std::vector<int64_t> blocks(static_cast<size_t>(out.num_blocks));
+  for (int64_t b = 0; b < out.num_blocks; ++b) blocks[size_t(b)] = b;
   std::shuffle(blocks.begin(), blocks.end(), rng);
-  for (size_t t = 0; t < slots.size(); ++t)
-    slots[t] = blocks[t / size_t(block_size)] * block_size + int64_t(t % size_t(block_size));
+  for (int s = 0; s < sets; ++s) {
+    Tensor pos = Tensor::empty({n}, DType::kInt64), slot = Tensor::empty({n}, DType::kInt64);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t k = int64_t(s) * n + t;  // the k-th token overall fills blocks in order
+      pos.ptr<int64_t>()[t] = int64_t(rng() % uint64_t(max_pos));
+      slot.ptr<int64_t>()[t] = blocks[size_t(k / block_size)] * block_size + k % block_size;
+    }
+    out.positions.push_back(pos.to(Device::cuda()));
+    out.slots.push_back(slot.to(Device::cuda()));
+  }
+  return out;
 }
 
 int sets_beyond_l2(double bytes_per_set, int max_sets) {

@@ -10,7 +10,12 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
+
 #include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "m3rt/error.h"
 
 namespace m3rt::kernels {
 
@@ -225,6 +230,19 @@ __device__ __forceinline__ void store_cache_copy(void* cache, int64_t elem_offse
   } else {
     *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(cache) + elem_offset) = raw;
   }
+}
+
+// Calls f(std::integral_constant<int, R>{}) for the supported rotary dims R = 16, 32, 64; any other
+// value (validation lets none through) is an error naming the launcher.
+template <class F>
+void dispatch_rotary_dim(int rotary_dim, const char* launcher, F&& f) {
+  switch (rotary_dim) {
+    case 16: return f(std::integral_constant<int, 16>{});
+    case 32: return f(std::integral_constant<int, 32>{});
+    case 64: return f(std::integral_constant<int, 64>{});
+  }
+  throw Error(std::string(launcher) + ": rotary_dim " + std::to_string(rotary_dim) +
+              " has no kernel (16, 32, 64)");
 }
 
 }  // namespace m3rt::kernels

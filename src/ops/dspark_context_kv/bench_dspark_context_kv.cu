@@ -9,7 +9,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <numeric>
 #include <random>
 
 #include "bench.h"
@@ -37,21 +36,14 @@ std::vector<BenchRow> bench_dspark_context_kv(const BenchEnv& env) {
       const double bytes = row_elems * 2 + row_elems * (fp8 ? 1 : 2) + double(n) * 16;
       const int sets = sets_beyond_l2(bytes);
       // Inputs per set; slots disjoint across sets, so the caches see fresh lines too.
-      std::vector<Tensor> kv(sets), pos(sets), slots(sets);
-      const int64_t nb = (int64_t(sets) * n + bs - 1) / bs;
-      std::vector<int64_t> perm(size_t(nb * bs));
-      std::iota(perm.begin(), perm.end(), 0);
-      block_contiguous(perm, bs, rng);
+      const IndexSets idx = make_index_sets(sets, n, bs, max_pos, rng);
+      const std::vector<Tensor>& pos = idx.positions;
+      const std::vector<Tensor>& slots = idx.slots;
+      const int64_t nb = idx.num_blocks;
+      std::vector<Tensor> kv(sets);
       for (int s = 0; s < sets; ++s) {
         kv[s] = Tensor::empty({n, L, 2, nkv, 128}, DType::kBFloat16, Device::cuda());
         fill_uniform_bf16(kv[s].data(), kv[s].numel(), 100 + s, -2.f, 2.f);
-        Tensor hp = Tensor::empty({n}, DType::kInt64), hs = Tensor::empty({n}, DType::kInt64);
-        for (int64_t t = 0; t < n; ++t) {
-          hp.ptr<int64_t>()[t] = int64_t(rng() % max_pos);
-          hs.ptr<int64_t>()[t] = perm[size_t(s * n + t)];
-        }
-        pos[s] = hp.to(Device::cuda());
-        slots[s] = hs.to(Device::cuda());
       }
       const DType cdt = fp8 ? DType::kUInt8 : DType::kBFloat16;
       const KvCacheDtype kd = fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;

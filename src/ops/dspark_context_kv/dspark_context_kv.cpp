@@ -1,13 +1,10 @@
 // DsparkContextKvWriter: validation (the seed-000 rules), offset tables, dispatch.
 #include <sstream>
 
-#include "core/validate.h"
+#include "core/dispatch.h"
 #include "m3rt/ops.h"
 #include "ops/dspark_context_kv/dspark_context_kv.h"
 
-#ifdef M3RT_WITH_CUDA
-#include "core/cuda_check.h"
-#endif
 
 namespace m3rt {
 
@@ -172,14 +169,7 @@ void DsparkContextKvWriter::operator()(const DsparkContextKvArgs& a, stream_t st
   p.eps = a.eps;
   p.rotary_dim = a.rotary_dim;
   p.fp8 = kv_cache_is_fp8(kv_cache_dtype());
-  if (!dev.is_cuda()) return dspark_context_kv_ref(p);
-#ifdef M3RT_WITH_CUDA
-  DeviceGuard guard(dev.index);
-  dspark_context_kv_launch(p, stream);
-#else
-  (void)stream;
-  throw_arg_error(kOp, "device", dev.str(), "m3rt was built without CUDA");
-#endif
+  run_on_device(kOp, dev, p, dspark_context_kv_ref, M3RT_LAUNCHER(dspark_context_kv_launch), stream);
 }
 
 }  // namespace m3rt

@@ -124,26 +124,17 @@ void launch(const DsparkContextKvParams& p, cudaStream_t stream) {
   M3RT_LAUNCH_CHECK(stream, "dspark_context_kv_kernel");
 }
 
-template <bool kFp8>
-void launch_rotary(const DsparkContextKvParams& p, cudaStream_t stream) {
-  switch (p.rotary_dim) {
-    case 16: return launch<16, kFp8>(p, stream);
-    case 32: return launch<32, kFp8>(p, stream);
-    case 64: return launch<64, kFp8>(p, stream);
-  }
-  throw Error("dspark_context_kv_launch: rotary_dim " + std::to_string(p.rotary_dim) +
-              " has no kernel (16, 32, 64)");
-}
-
 }  // namespace
 
 void dspark_context_kv_launch(const DsparkContextKvParams& p, CUstream_st* stream) {
   if (p.num_ctx == 0) return;
-  if (p.fp8) {
-    launch_rotary<true>(p, stream);
-  } else {
-    launch_rotary<false>(p, stream);
-  }
+  kernels::dispatch_rotary_dim(p.rotary_dim, "dspark_context_kv_launch", [&](auto rotary) {
+    if (p.fp8) {
+      launch<decltype(rotary)::value, true>(p, stream);
+    } else {
+      launch<decltype(rotary)::value, false>(p, stream);
+    }
+  });
 }
 
 }  // namespace m3rt

@@ -1,11 +1,8 @@
 // gemma_rms_norm / gemma_fused_add_rms_norm: validation and dispatch.
-#include "core/validate.h"
+#include "core/dispatch.h"
 #include "m3rt/ops.h"
 #include "ops/gemma_rms_norm/gemma_rms_norm.h"
 
-#ifdef M3RT_WITH_CUDA
-#include "core/cuda_check.h"
-#endif
 
 namespace m3rt {
 
@@ -59,14 +56,7 @@ void run(const char* op, const TensorView& out, const TensorView& x, const Tenso
   p.eps = eps;
   p.dtype = x.dtype;
   if (p.rows == 0) return;
-  if (!dev.is_cuda()) return gemma_rms_norm_ref(p);
-#ifdef M3RT_WITH_CUDA
-  DeviceGuard guard(dev.index);
-  gemma_rms_norm_launch(p, stream);
-#else
-  (void)stream;
-  throw_arg_error(op, "device", dev.str(), "m3rt was built without CUDA");
-#endif
+  run_on_device(op, dev, p, gemma_rms_norm_ref, M3RT_LAUNCHER(gemma_rms_norm_launch), stream);
 }
 
 }  // namespace

@@ -8,7 +8,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <numeric>
 #include <random>
 
 #include "bench.h"
@@ -49,22 +48,15 @@ std::vector<BenchRow> bench_qknorm_rope_kv_insert(const BenchEnv& env) {
                          double(T) * nq * 128 * (var.fp8 ? 1 : 2) +
                          double(T) * nkv * 256 * (var.fp8 ? 1 : 2) + double(T) * 16;
     const int sets = sets_beyond_l2(bytes);
-    const int64_t nb = (int64_t(sets) * T + bs - 1) / bs;
-    std::vector<int64_t> perm(size_t(nb * bs));
-    std::iota(perm.begin(), perm.end(), 0);
-    block_contiguous(perm, bs, rng);
-    std::vector<Tensor> qkv(sets), pos(sets), slots(sets), qf8(sets);
+    const IndexSets idx = make_index_sets(sets, T, bs, max_pos, rng);
+    const std::vector<Tensor>& pos = idx.positions;
+    const std::vector<Tensor>& slots = idx.slots;
+    const int64_t nb = idx.num_blocks;
+    std::vector<Tensor> qkv(sets), qf8(sets);
     for (int s = 0; s < sets; ++s) {
       qkv[s] = Tensor::empty({T, W}, DType::kBFloat16, Device::cuda());
       fill_uniform_bf16(qkv[s].data(), qkv[s].numel(), 200 + s, -2.f, 2.f);
       if (var.fp8) qf8[s] = Tensor::empty({T, nq * 128}, DType::kFloat8E4M3, Device::cuda());
-      Tensor hp = Tensor::empty({T}, DType::kInt64), hs = Tensor::empty({T}, DType::kInt64);
-      for (int64_t t = 0; t < T; ++t) {
-        hp.ptr<int64_t>()[t] = int64_t(rng() % max_pos);
-        hs.ptr<int64_t>()[t] = perm[size_t(s * T + t)];
-      }
-      pos[s] = hp.to(Device::cuda());
-      slots[s] = hs.to(Device::cuda());
     }
     const KvCacheDtype kd = var.fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;
     Tensor cache = Tensor::empty({nb, nkv, bs, 256}, var.fp8 ? DType::kUInt8 : DType::kBFloat16, Device::cuda());

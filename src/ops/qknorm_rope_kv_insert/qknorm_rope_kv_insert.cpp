@@ -1,11 +1,8 @@
 // qknorm_rope_kv_insert: validation and dispatch.
-#include "core/validate.h"
+#include "core/dispatch.h"
 #include "m3rt/ops.h"
 #include "ops/qknorm_rope_kv_insert/qknorm_rope_kv_insert.h"
 
-#ifdef M3RT_WITH_CUDA
-#include "core/cuda_check.h"
-#endif
 
 namespace m3rt {
 
@@ -103,14 +100,7 @@ void qknorm_rope_kv_insert(const QknormRopeKvInsertArgs& a, stream_t stream) {
       p.v_scale = a.v_scale.ptr<const float>();
     }
   }
-  if (!dev.is_cuda()) return qknorm_rope_kv_insert_ref(p);
-#ifdef M3RT_WITH_CUDA
-  DeviceGuard guard(dev.index);
-  qknorm_rope_kv_insert_launch(p, stream);
-#else
-  (void)stream;
-  throw_arg_error(kOp, "device", dev.str(), "m3rt was built without CUDA");
-#endif
+  run_on_device(kOp, dev, p, qknorm_rope_kv_insert_ref, M3RT_LAUNCHER(qknorm_rope_kv_insert_launch), stream);
 }
 
 }  // namespace m3rt

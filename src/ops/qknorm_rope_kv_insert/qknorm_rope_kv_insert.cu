@@ -141,26 +141,18 @@ void launch(const QknormRopeKvInsertParams& p, cudaStream_t stream) {
   M3RT_LAUNCH_CHECK(stream, "qknorm_rope_kv_insert_kernel");
 }
 
-template <QkvInsertMode kInsert>
-void launch_rotary(const QknormRopeKvInsertParams& p, cudaStream_t stream) {
-  switch (p.rotary_dim) {
-    case 16: return launch<16, kInsert>(p, stream);
-    case 32: return launch<32, kInsert>(p, stream);
-    case 64: return launch<64, kInsert>(p, stream);
-  }
-  throw Error("qknorm_rope_kv_insert_launch: rotary_dim " + std::to_string(p.rotary_dim) +
-              " has no kernel (16, 32, 64)");
-}
-
 }  // namespace
 
 void qknorm_rope_kv_insert_launch(const QknormRopeKvInsertParams& p, CUstream_st* stream) {
   if (p.num_tokens == 0) return;
-  switch (p.insert) {
-    case QkvInsertMode::kNone: return launch_rotary<QkvInsertMode::kNone>(p, stream);
-    case QkvInsertMode::kBFloat16: return launch_rotary<QkvInsertMode::kBFloat16>(p, stream);
-    case QkvInsertMode::kFp8: return launch_rotary<QkvInsertMode::kFp8>(p, stream);
-  }
+  kernels::dispatch_rotary_dim(p.rotary_dim, "qknorm_rope_kv_insert_launch", [&](auto rotary) {
+    constexpr int kRotaryDim = decltype(rotary)::value;
+    switch (p.insert) {
+      case QkvInsertMode::kNone: return launch<kRotaryDim, QkvInsertMode::kNone>(p, stream);
+      case QkvInsertMode::kBFloat16: return launch<kRotaryDim, QkvInsertMode::kBFloat16>(p, stream);
+      case QkvInsertMode::kFp8: return launch<kRotaryDim, QkvInsertMode::kFp8>(p, stream);
+    }
+  });
 }
 
 }  // namespace m3rt

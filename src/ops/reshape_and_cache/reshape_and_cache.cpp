@@ -1,11 +1,8 @@
 // reshape_and_cache: validation and dispatch.
-#include "core/validate.h"
+#include "core/dispatch.h"
 #include "m3rt/ops.h"
 #include "ops/reshape_and_cache/reshape_and_cache.h"
 
-#ifdef M3RT_WITH_CUDA
-#include "core/cuda_check.h"
-#endif
 
 namespace m3rt {
 
@@ -58,14 +55,7 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   p.fp8 = g.fp8;
   p.k_scale = g.fp8 ? k_scale.ptr<const float>() : nullptr;
   p.v_scale = g.fp8 ? v_scale.ptr<const float>() : nullptr;
-  if (!dev.is_cuda()) return reshape_and_cache_ref(p);
-#ifdef M3RT_WITH_CUDA
-  DeviceGuard guard(dev.index);
-  reshape_and_cache_launch(p, stream);
-#else
-  (void)stream;
-  throw_arg_error(kOp, "device", dev.str(), "m3rt was built without CUDA");
-#endif
+  run_on_device(kOp, dev, p, reshape_and_cache_ref, M3RT_LAUNCHER(reshape_and_cache_launch), stream);
 }
 
 }  // namespace m3rt

@@ -1,13 +1,10 @@
 // swiglu_oai: validation and dispatch.
 #include <cmath>
 
-#include "core/validate.h"
+#include "core/dispatch.h"
 #include "m3rt/ops.h"
 #include "ops/swiglu_oai/swiglu_oai.h"
 
-#ifdef M3RT_WITH_CUDA
-#include "core/cuda_check.h"
-#endif
 
 namespace m3rt {
 
@@ -46,14 +43,7 @@ void swiglu_oai(const TensorView& out, const TensorView& gate_up, const SwigluOa
   p.beta = params.beta;
   p.dtype = gate_up.dtype;
   if (T == 0) return;
-  if (!dev.is_cuda()) return swiglu_oai_ref(p);
-#ifdef M3RT_WITH_CUDA
-  DeviceGuard guard(dev.index);
-  swiglu_oai_launch(p, stream);
-#else
-  (void)stream;
-  throw_arg_error(kOp, "device", dev.str(), "m3rt was built without CUDA");
-#endif
+  run_on_device(kOp, dev, p, swiglu_oai_ref, M3RT_LAUNCHER(swiglu_oai_launch), stream);
 }
 
 }  // namespace m3rt

@@ -63,51 +63,35 @@ __device__ __forceinline__ uint2 pack_e4m3x8(const float (&x)[8]) {
   return make_uint2(w[0], w[1]);
 }
 
-// e4m3(x / scale) with x / scale correctly rounded, as the reference computes it, without a full
-// IEEE division per element: with r = RN(1/scale) (once per scale), q = RN(x r) is within an ulp
-// of x / scale, and one correction q + (x - q scale) r (Markstein's step, the residual exact by
-// FMA) gives RN(x / scale) when nothing over- or underflows. For q outside [2^-100, 2^100],
-// |x| < 2^-90 or a scale outside [2^-100, 2^10] it falls back to the IEEE division; tiny quotients become e4m3
-// zero and huge ones saturate either way, so only the fallback's cost is at stake.
-// tests/test_gpu.cu checks it against __fdiv_rn for every bf16 x and many scales.
+// e4m3(RN(x / scale)), as the reference computes it, without an IEEE division per element: with
+// r = RN(1/scale) (once per scale), q = RN(x r) is within an ulp of x / scale, and one correction
+// q + (x - q scale) r (Markstein's step, the residual exact by FMA) gives RN(x / scale) when nothing
+// over- or underflows — guaranteed for scale in [2^-60, 2^60] and |q| in [2^-12, 2^10]. Outside that
+// range of q the e4m3 code is decided without the exact quotient: |x / scale| < 2^-10 rounds to a
+// signed zero and > 464 saturates, so q itself (same sign, same side) gives the same code. A scale
+// outside [2^-60, 2^60] takes the IEEE division. tests/test_gpu.cu checks the codes against
+// __fdiv_rn for every bf16 x and 4015 scales.
 struct E4m3Quantizer {
   float scale = 1.f, inv = 1.f;
-  float hi = 0.f;  // |x| <= hi keeps |q| <= 2^100; 0 turns the fast path off
+  bool exact_fast = true;  // scale in [2^-60, 2^60]
   E4m3Quantizer() = default;
   __device__ explicit E4m3Quantizer(float s) {
     scale = s;
     inv = __frcp_rn(s);
-    // Needs scale in [2^-100, 2^10]: then |x| >= 2^-90 gives |q| >= 2^-100.
-    hi = (fabsf(s) >= 0x1p-100f && fabsf(s) <= 0x1p10f) ? __fmul_rn(fabsf(s), 0x1p99f) : 0.f;
+    exact_fast = fabsf(s) >= 0x1p-60f && fabsf(s) <= 0x1p60f;
   }
-  __device__ __forceinline__ float divide(float x) const {
-    const float ax = fabsf(x);
-    // |x| >= 2^-90 also keeps the residual x - q*scale (~2^-24 |x|) a normal number, hence exact.
-    if (ax >= 0x1p-90f && ax <= hi) {
-      const float q = __fmul_rn(x, inv);
-      return __fmaf_rn(__fmaf_rn(-q, scale, x), inv, q);
-    }
-    return __fdiv_rn(x, scale);
+  // A float whose e4m3 code equals that of RN(x / scale).
+  __device__ __forceinline__ float quotient(float x) const {
+    if (!exact_fast) return __fdiv_rn(x, scale);
+    const float q = __fmul_rn(x, inv);
+    const float aq = fabsf(q);
+    const float corrected = __fmaf_rn(__fmaf_rn(-q, scale, x), inv, q);
+    return (aq >= 0x1p-12f && aq <= 0x1p10f) ? corrected : q;  // NaN: q, still NaN
   }
   __device__ __forceinline__ uint2 operator()(const float (&x)[8]) const {
-    // One range check for the lane's 8 values, then the branch-free fast path.
-    float lo_abs = fabsf(x[0]), hi_abs = lo_abs;
-#pragma unroll
-    for (int i = 1; i < 8; ++i) {
-      lo_abs = fminf(lo_abs, fabsf(x[i]));
-      hi_abs = fmaxf(hi_abs, fabsf(x[i]));
-    }
     float q[8];
-    if (lo_abs >= 0x1p-90f && hi_abs <= hi) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float q0 = __fmul_rn(x[i], inv);
-        q[i] = __fmaf_rn(__fmaf_rn(-q0, scale, x[i]), inv, q0);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) q[i] = divide(x[i]);
-    }
+    for (int i = 0; i < 8; ++i) q[i] = quotient(x[i]);
     return pack_e4m3x8(q);
   }
 };

@@ -157,6 +157,8 @@ void Tensor::fill_bytes(uint8_t byte) {
   if (device().is_cuda()) {
 #ifdef M3RT_WITH_CUDA
     M3RT_CUDA_CHECK(cudaMemset(data(), byte, size_t(nbytes())));
+#else
+    throw Error("Tensor::fill_bytes: m3rt was built without CUDA");
 #endif
   } else {
     std::memset(data(), byte, size_t(nbytes()));

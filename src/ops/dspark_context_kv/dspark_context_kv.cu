@@ -6,9 +6,10 @@
 //
 // Grid: (layer x kv head, token runs of 16). A half-warp owns one token of one (layer, kv head),
 // 8 dims per lane: it reads the K and V rows (256 bytes each) and writes one contiguous 512-byte
-// (bf16) or 256-byte (fp8) cache row; every lane works on K and on V. Measured on an H200
-// (docs/perf.md): one token per half-warp beat two or four (more registers, fewer resident warps),
-// and (layer, head) as the fastest grid dim keeps the running blocks on whole all_kv rows. Rows
+// (bf16) or 256-byte (fp8) cache row; every lane works on K and on V. One wave of blocks walks the
+// token runs; a 3-stage cp.async pipeline keeps the next two runs' rows and indices loading into
+// shared memory while one computes. Measured on an H200 (docs/perf.md): one token per half-warp
+// beat two or four, and the pipeline beat more resident warps. Rows
 // with slot < 0 (padding), slot >= num_slots or a position outside the RoPE table are not written.
 // Reference: dspark_context_kv_ref.cpp; checks: check_dspark_context_kv.cpp (m3rt check),
 // test_dspark_context_kv.cpp, tests/test_gpu.cu (graphs); bench: bench_dspark_context_kv.cu.

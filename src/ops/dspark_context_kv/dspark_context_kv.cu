@@ -7,8 +7,8 @@
 // Grid: (layer x kv head, token runs of 16). A half-warp owns one token of one (layer, kv head),
 // 8 dims per lane: it reads the K and V rows (256 bytes each) and writes one contiguous 512-byte
 // (bf16) or 256-byte (fp8) cache row; every lane works on K and on V. One wave of blocks walks the
-// token runs; a 4-stage cp.async pipeline keeps the next three runs' rows and indices, and the next
-// run's RoPE table rows, loading into shared memory while one computes. Measured on an H200 (docs/perf.md): one token per half-warp
+// token runs; a 3-stage cp.async pipeline keeps the next two runs' rows and indices loading into
+// shared memory while one computes. Measured on an H200 (docs/perf.md): one token per half-warp
 // beat two or four, and the pipeline beat more resident warps. Rows
 // with slot < 0 (padding), slot >= num_slots or a position outside the RoPE table are not written.
 // Reference: dspark_context_kv_ref.cpp; checks: check_dspark_context_kv.cpp (m3rt check),
@@ -24,19 +24,16 @@ namespace {
 
 constexpr int kThreads = 256;
 // Resident blocks of 256 per SM (up to 64 registers a thread). The bytes in flight live in shared
-// memory, so occupancy matters less than the pipeline depth: rows are fetched three runs ahead and
-// the RoPE table rows one run ahead (their positions must land first).
+// memory, so occupancy matters less than the pipeline depth: 4 blocks x 2 runs ahead x 8 KB = 64 KB
+// of loads in flight per SM, about what the H200's bandwidth-latency product asks for.
 constexpr int kMinBlocksPerSm = 4;
-constexpr int kStages = 4;  // the run being computed and three in flight
+constexpr int kStages = 3;  // the run being computed and two in flight
 constexpr int kTokensPerRun = kThreads / kernels::kLanesPerHead;  // one token per half-warp
-constexpr int kRopeChunks = 8;  // 16-byte chunks of a table row [cos | sin]: rotary_dim / 8 <= 8
 constexpr unsigned kMaxGridY = 65535;
 
-// One stage of the pipeline: a run's K and V rows (each lane's 16 bytes), its indices, and the
-// RoPE table row of each token's position (chunk c copied by lane c).
+// One stage of the pipeline: a run's K and V rows (each lane's 16 bytes) and its indices.
 struct Stage {
   uint4 rows[kTokensPerRun][2][kernels::kLanesPerHead];  // [token][K, V][lane]
-  uint4 rope[kTokensPerRun][kRopeChunks];                 // [token][cos chunks | sin chunks]
   int64_t idx[kTokensPerRun][2];                          // [token][slot, position]
 };
 
@@ -44,10 +41,7 @@ template <int kRotaryDim, bool kFp8>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     dspark_context_kv_kernel(const __grid_constant__ DsparkContextKvParams p) {
   using namespace kernels;
-  constexpr int kChunks = kRotaryDim / kDimsPerLane;  // 16-byte chunks in a table row
-  constexpr int kHalfChunks = kChunks / 2;            // cos chunks, then as many sin chunks
-  static_assert(kChunks <= kRopeChunks, "table row fits the stage");
-  __shared__ Stage stages[kStages];  // 10.25 KB each
+  __shared__ Stage stages[kStages];  // 8.25 KB each
   // blockIdx.x: one (layer, kv head) pair, fastest, so the blocks running together read whole
   // all_kv rows; blockIdx.y: the first of the runs of 16 tokens this block walks (stride
   // gridDim.y). No 64-bit divisions.
@@ -67,10 +61,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     k_q = E4m3Quantizer(__ldg(p.scale0 + p.tables.scale_offsets[l]));
     v_q = E4m3Quantizer(__ldg(p.scale0 + p.tables.scale_offsets[p.num_layers + l]));
   }
-  auto in_range = [&](int64_t run) { return run * kTokensPerRun + tok < p.num_ctx; };
   // Each lane copies (and later reads) its own 16 bytes of the rows; lane 0 of a half-warp copies
   // the token's slot and position, read by the half-warp after a __syncwarp.
-  auto prefetch_rows = [&](int64_t run, Stage& st) {
+  auto prefetch = [&](int64_t run, Stage& st) {
     const int64_t t = run * kTokensPerRun + tok;
     if (t < p.num_ctx) {
       cp_async_16(&st.rows[tok][0][j], k_src + t * p.stride_all_kv_t);
@@ -82,47 +75,26 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     }
     cp_async_commit();  // an empty group past the end keeps the wait counts uniform
   };
-  // The table row of a run whose indices have landed: lane c < kChunks copies chunk c (a position
-  // outside the table reads row 0; such a token is not written).
-  auto prefetch_rope = [&](int64_t run, Stage& st) {
-    if (in_range(run) && j < kChunks) {
-      const int64_t pos = st.idx[tok][1];
-      const int64_t row = (pos >= 0 && pos < p.max_pos) ? pos : 0;
-      cp_async_16(&st.rope[tok][j], table + row * kRotaryDim + j * kDimsPerLane);
-    }
-    cp_async_commit();
-  };
 
-  // Commit order per iteration i: rows(i+3), then rope(i+1). Waiting until at most 4 groups are
-  // pending lands rows(i+1) (whose positions rope(i+1) needs); at most 2 lands rope(i). The
-  // prologue commits an empty group where rope(-1) would be, so the counts hold from i = 0.
-  const int64_t g = gridDim.y;
-  prefetch_rows(blockIdx.y, stages[0]);
-  prefetch_rows(blockIdx.y + g, stages[1]);
-  cp_async_commit();
-  prefetch_rows(blockIdx.y + 2 * g, stages[2]);
-  cp_async_wait<3>();  // rows(0)
-  __syncwarp();
-  prefetch_rope(blockIdx.y, stages[0]);
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) prefetch(blockIdx.y + int64_t(i) * gridDim.y, stages[i]);
   int cur = 0;
   // The loop bound is block-uniform and nothing below branches around the shuffles, so each warp
   // stays converged and shuffles with the full mask (xor distances < 16 stay in each half).
-  for (int64_t run = blockIdx.y; run * kTokensPerRun < p.num_ctx; run += g, cur = (cur + 1) % kStages) {
-    prefetch_rows(run + 3 * g, stages[(cur + 3) % kStages]);
-    cp_async_wait<4>();  // rows(i+1)
-    __syncwarp();
-    prefetch_rope(run + g, stages[(cur + 1) % kStages]);
-    cp_async_wait<2>();  // rope(i)
+  for (int64_t run = blockIdx.y; run * kTokensPerRun < p.num_ctx;
+       run += gridDim.y, cur = (cur + 1) % kStages) {
+    prefetch(run + int64_t(kStages - 1) * gridDim.y, stages[(cur + kStages - 1) % kStages]);
+    cp_async_wait<kStages - 1>();  // this run's copies have landed
     __syncwarp();
     const Stage& st = stages[cur];
-    const bool valid = in_range(run);
-    const int64_t slot = valid ? st.idx[tok][0] : -1;
-    const int64_t pos = valid ? st.idx[tok][1] : 0;
+    const int64_t t = run * kTokensPerRun + tok;
+    const bool in_range = t < p.num_ctx;
+    const int64_t slot = in_range ? st.idx[tok][0] : -1;
+    const int64_t pos = in_range ? st.idx[tok][1] : 0;
     // Padding (slot < 0), slots past the cache and positions past the table: not written.
     const bool write = slot >= 0 && slot < p.num_slots && pos >= 0 && pos < p.max_pos;
     RopeLane rope{};
-    if (valid && rope_lane_rotates<kRotaryDim>(j))
-      rope = {st.rope[tok][j % kHalfChunks], st.rope[tok][kHalfChunks + j % kHalfChunks]};
+    if (rope_lane_rotates<kRotaryDim>(j)) rope = load_rope_lane<kRotaryDim>(j, table + (write ? pos : 0) * kRotaryDim);
     // V copied; K normed in fp32, materialized to bf16, rotated in fp32, rounded; both halves of
     // one contiguous cache row.
     const int64_t row = cache_row_offset(write ? slot : 0, p.block_size_log2, p.stride_cache_block,
@@ -135,7 +107,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     rope_neox_head<kRotaryDim>(x, j, rope, kFullMask);
     round_bf16x8(x);
     if (write) store_cache_lane<kFp8>(cache, row, x, k_q);
-    __syncwarp();  // every lane has read this stage before it is refilled
+    __syncwarp();  // every lane has read this stage's indices before lane 0 refills it
   }
   cp_async_wait<0>();
 }

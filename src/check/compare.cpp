@@ -91,7 +91,6 @@ CompareResult compare_codes(const TensorView& actual, const TensorView& expected
   const bool is_float = code_dtype == DType::kBFloat16 || code_dtype == DType::kFloat16 ||
                         code_dtype == DType::kFloat8E4M3 || code_dtype == DType::kFloat32;
   const int width = code_width(code_dtype);
-  r.worst = 0;
   for (int64_t e = 0; e < total; ++e) {
     int64_t oa = 0, oe = 0;
     for (int d = 0; d < n; ++d) {

@@ -128,6 +128,7 @@ KvCacheGeometry require_kv_cache(const char* op, const TensorView& kv_cache,
                     "block size (dim 2) must be a power of two");
   }
   g.block_size = int(bs);
+  g.block_size_log2 = log2_pow2(bs);
   return g;
 }
 

@@ -35,11 +35,19 @@ void require_rope_table(const char* op, const TensorView& cos_sin_cache, int rot
 // Memory at 16-byte alignment (vector loads and stores).
 void require_aligned16(const char* op, const char* name, const TensorView& v);
 
+// log2 of a power of two.
+inline int log2_pow2(int64_t v) {
+  int r = 0;
+  while ((int64_t(1) << r) < v) ++r;
+  return r;
+}
+
 // A paged KV cache [num_blocks, nkv, block_size, 256], checked and summarized.
 struct KvCacheGeometry {
   int64_t num_blocks = 0;
   int num_kv_heads = 0;
   int block_size = 0;
+  int block_size_log2 = 0;
   bool fp8 = false;
 };
 KvCacheGeometry require_kv_cache(const char* op, const TensorView& kv_cache,

@@ -3,9 +3,9 @@
 // consecutive dims per lane, so every global access is 16 bytes (bf16) or 8 bytes (e4m3).
 //
 // Arithmetic uses the _rn intrinsics: no FMA contraction, so each step rounds exactly like the CPU
-// reference's plain fp32 expressions (built with -ffp-contract=off). Only the order of the 128-term
-// sum of squares differs from the reference (8 per lane, then a butterfly), which can move a
-// rounded bf16 result by one ulp.
+// reference's plain fp32 expressions (built with -ffp-contract=off). The 128-term sum of squares
+// (8 per lane, then a butterfly xor 8, 4, 2, 1) is m3rt's canonical head order, which the CPU
+// references use too (head_sum_of_squares in ref_common.h): results match them bit for bit.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -12,12 +12,6 @@ namespace {
 constexpr const char* kOp = "dspark_context_kv_write";
 
 std::string layer_prefix(size_t i) { return "layer " + std::to_string(i) + ": "; }
-
-int log2_exact(int64_t v) {
-  int r = 0;
-  while ((int64_t(1) << r) < v) ++r;
-  return r;
-}
 }  // namespace
 
 bool dspark_rotary_dim_supported(int rotary_dim, int head_dim) {
@@ -161,7 +155,7 @@ void DsparkContextKvWriter::operator()(const DsparkContextKvArgs& a, stream_t st
   p.num_ctx = num_ctx;
   p.num_layers = L;
   p.num_kv_heads = nkv;
-  p.block_size_log2 = log2_exact(cache0.shape[2]);
+  p.block_size_log2 = log2_pow2(cache0.shape[2]);
   p.num_slots = cache0.shape[0] * cache0.shape[2];
   p.max_pos = a.cos_sin_cache.shape[0];
   p.stride_cache_block = cache0.stride[0];

@@ -90,9 +90,7 @@ void qknorm_rope_kv_insert(const QknormRopeKvInsertArgs& a, stream_t stream) {
     p.slots = a.slot_mapping.ptr<const int64_t>();
     p.cache = a.kv_cache.data;
     p.num_slots = g.num_blocks * g.block_size;
-    int lg = 0;
-    while ((1 << lg) < g.block_size) ++lg;
-    p.block_size_log2 = lg;
+    p.block_size_log2 = g.block_size_log2;
     p.stride_cache_block = a.kv_cache.stride[0];
     p.stride_cache_head = a.kv_cache.stride[1];
     if (g.fp8) {

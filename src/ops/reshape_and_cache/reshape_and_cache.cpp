@@ -46,9 +46,7 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   p.cache = kv_cache.data;
   p.num_tokens = T;
   p.num_kv_heads = nkv;
-  int lg = 0;
-  while ((1 << lg) < g.block_size) ++lg;
-  p.block_size_log2 = lg;
+  p.block_size_log2 = g.block_size_log2;
   p.num_slots = g.num_blocks * g.block_size;
   p.stride_cache_block = kv_cache.stride[0];
   p.stride_cache_head = kv_cache.stride[1];

@@ -24,7 +24,9 @@ struct BenchRow {
   double us = 0;            // median time per call
   double bytes = 0;         // bytes the call must move
   double gbps = 0;          // bytes / us
-  double pct_ceiling = 0;   // gbps / measured copy ceiling
+  double pct_ceiling = 0;   // of the binding ceiling: gbps / copy ceiling, or tflops / GEMM rate
+  double tflops = 0;        // compute-bound rows: effective FLOPs / us
+  std::string ceiling = "copy";  // which ceiling pct_ceiling refers to: "copy" or "gemm"
   std::vector<std::pair<std::string, double>> ratios;  // "vs unfused": baseline_us / us
   std::string note;
 };
@@ -33,9 +35,12 @@ struct BenchEnv {
   std::string gpu;
   double copy_gbps = 0;  // measured device-to-device copy, read + write
   bool quick = false;    // fewer repeats (smoke test)
+  double gemm_tflops = 0;  // measured bf16 GEMM rate (cuBLAS), filled by benches that need it
 };
 
 double measure_copy_ceiling_gbps();
+// A large bf16 GEMM (8192^3, fp32 accumulation, cuBLAS) timed in this run: dense TFLOP/s.
+double measure_gemm_tflops();
 
 // Median microseconds per call of `call(i, stream)`, where i cycles over the input sets, timed as
 // graph replays of `calls_per_graph` calls (graph=false: eager launches in a loop).
@@ -59,8 +64,9 @@ int sets_beyond_l2(double bytes_per_set, int max_sets = 32);
 
 std::vector<BenchRow> bench_dspark_context_kv(const BenchEnv& env);
 std::vector<BenchRow> bench_qknorm_rope_kv_insert(const BenchEnv& env);
+std::vector<BenchRow> bench_lightning_indexer(BenchEnv& env);
 
 // Runs every bench whose op name contains `filter`.
-std::vector<BenchRow> run_benches(const BenchEnv& env, const std::string& filter);
+std::vector<BenchRow> run_benches(BenchEnv& env, const std::string& filter);
 
 }  // namespace m3rt::bench

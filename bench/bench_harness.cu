@@ -1,5 +1,6 @@
 // The shared benchmark harness (bench.h): copy ceiling, graph-replay timing, the bench registry.
 #include <cuda_bf16.h>
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 
 #include "bench.h"
 #include "core/cuda_check.h"
+#include "m3rt/error.h"
 
 namespace m3rt::bench {
 
@@ -42,6 +44,46 @@ double measure_copy_ceiling_gbps() {
   cudaFree(a);
   cudaFree(b);
   return 2.0 * double(bytes) / (median(us) * 1e3);  // bytes per us / 1e3 = GB/s
+}
+
+double measure_gemm_tflops() {
+  constexpr int n = 8192;
+  const size_t bytes = size_t(n) * n * 2;
+  void *a = nullptr, *b = nullptr, *c = nullptr;
+  M3RT_CUDA_CHECK(cudaMalloc(&a, bytes));
+  M3RT_CUDA_CHECK(cudaMalloc(&b, bytes));
+  M3RT_CUDA_CHECK(cudaMalloc(&c, bytes));
+  fill_uniform_bf16(a, int64_t(n) * n, 11, -1.f, 1.f);
+  fill_uniform_bf16(b, int64_t(n) * n, 12, -1.f, 1.f);
+  cublasHandle_t h;
+  if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) throw Error("bench: cublasCreate failed");
+  const float one = 1.f, zero = 0.f;
+  auto gemm = [&](cudaStream_t s) {
+    cublasSetStream(h, s);
+    if (cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a, CUDA_R_16BF, n, b, CUDA_R_16BF, n,
+                     &zero, c, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
+      throw Error("bench: cublasGemmEx failed");
+  };
+  cudaEvent_t e0, e1;
+  M3RT_CUDA_CHECK(cudaEventCreate(&e0));
+  M3RT_CUDA_CHECK(cudaEventCreate(&e1));
+  std::vector<double> us;
+  for (int i = 0; i < 12; ++i) {
+    M3RT_CUDA_CHECK(cudaEventRecord(e0));
+    gemm(nullptr);
+    M3RT_CUDA_CHECK(cudaEventRecord(e1));
+    M3RT_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    M3RT_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (i >= 2) us.push_back(ms * 1e3);
+  }
+  cublasDestroy(h);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(a);
+  cudaFree(b);
+  cudaFree(c);
+  return 2.0 * double(n) * n * n / (median(us) * 1e6);
 }
 
 double time_us(const std::function<void(int, CUstream_st*)>& call, int num_sets, bool graph,
@@ -136,7 +178,7 @@ int sets_beyond_l2(double bytes_per_set, int max_sets) {
   return std::clamp(int(want / std::max(bytes_per_set, 1.0)) + 1, 1, max_sets);
 }
 
-std::vector<BenchRow> run_benches(const BenchEnv& env, const std::string& filter) {
+std::vector<BenchRow> run_benches(BenchEnv& env, const std::string& filter) {
   std::vector<BenchRow> rows;
   auto want = [&](const char* op) { return filter.empty() || std::string(op).find(filter) != std::string::npos; };
   if (want("dspark_context_kv_write")) {
@@ -145,6 +187,10 @@ std::vector<BenchRow> run_benches(const BenchEnv& env, const std::string& filter
   }
   if (want("qknorm_rope_kv_insert")) {
     auto r = bench_qknorm_rope_kv_insert(env);
+    rows.insert(rows.end(), r.begin(), r.end());
+  }
+  if (want("lightning_indexer")) {
+    auto r = bench_lightning_indexer(env);
     rows.insert(rows.end(), r.begin(), r.end());
   }
   return rows;

@@ -2,6 +2,9 @@
 //   - the host dtype conversions equal CUDA's device conversions bit for bit;
 //   - CUDA-graph capture of the context-K/V writer and the QK insert: inputs changed in place
 //     (values, positions, slots) then replayed match an eager run bit for bit;
+//   - CUDA-graph capture of the lightning indexer (decode and prefill): lengths, block tables and
+//     queries changed in place, replays match eager runs bit for bit, and both match the CPU
+//     reference's selection (set comparison) with the NaN-filled pages never selected;
 // The ops' GPU-vs-CPU checks run from test_check.cpp (the `m3rt check` registry).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -9,13 +12,17 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "check/check_util.h"
 #include "m3rt/m3rt.h"
 #include "ops/common/head_math.cuh"
+#include "ops/lightning_indexer/indexer_compare.h"
 
 namespace {
 
@@ -255,5 +262,166 @@ TEST_P(GpuGraph, ReplayAfterInPlaceChangesMatchesEagerBitwise) {
 
 INSTANTIATE_TEST_SUITE_P(CacheDtype, GpuGraph, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "fp8" : "bf16"; });
+
+
+// ------------------------------------------------------------------------------------------------
+// Lightning indexer under CUDA graphs. Sizes stay fixed (the capture's shape key); lengths, block
+// tables and queries change in place between replays.
+struct IndexerGraphCase {
+  static constexpr int H = 4, topk = 6, max_blocks = 20, B = 3, dql = 4;
+  static constexpr int64_t pages = 64, T = 2 * 300;  // prefill: two requests, 600 tokens
+  bool fp8;
+  Rng rng{77};
+  Tensor cache, dq, dseq, dtable, dout, pq, pcu, pseq, ptable, pout;
+
+  explicit IndexerGraphCase(bool fp8_) : fp8(fp8_) {
+    const Device g = Device::cuda();
+    const DType dt = fp8 ? DType::kUInt8 : DType::kBFloat16;
+    cache = Tensor::empty({pages, 128, 128}, dt, g);
+    dq = Tensor::empty({B * dql, H, 128}, dt, g);
+    dseq = Tensor::empty({B}, DType::kInt32, g);
+    dtable = Tensor::empty({B, max_blocks}, DType::kInt32, g);
+    dout = Tensor::empty({B * dql, H, topk}, DType::kInt32, g);
+    pq = Tensor::empty({T, H, 128}, dt, g);
+    pcu = Tensor::empty({3}, DType::kInt32, g);
+    pseq = Tensor::empty({2}, DType::kInt32, g);
+    ptable = Tensor::empty({2, max_blocks}, DType::kInt32, g);
+    pout = Tensor::empty({T, H, topk}, DType::kInt32, g);
+  }
+  Tensor values(std::vector<int64_t> shape) {
+    Tensor h = detail::random_half(shape, DType::kBFloat16, rng, -2, 2);
+    if (!fp8) return h;
+    Tensor e = Tensor::empty(shape, DType::kUInt8);
+    for (int64_t i = 0; i < h.numel(); ++i) e.ptr<uint8_t>()[i] = float_to_e4m3(bf16_to_float(h.ptr<uint16_t>()[i]));
+    return e;
+  }
+  static Tensor ints(const std::vector<int32_t>& v, std::vector<int64_t> shape) {
+    Tensor t = Tensor::empty(shape, DType::kInt32);
+    std::copy(v.begin(), v.end(), t.ptr<int32_t>());
+    return t;
+  }
+  // New queries, keys, lengths and tables; pages nobody may read are NaN.
+  void refill() {
+    upload(cache, values({pages, 128, 128}));
+    upload(dq, values({B * dql, H, 128}));
+    upload(pq, values({T, H, 128}));
+    std::vector<int32_t> perm(pages);
+    for (int i = 0; i < pages; ++i) perm[size_t(i)] = i;
+    std::shuffle(perm.begin(), perm.end(), rng.gen());
+    std::vector<int32_t> dlen(B), dtab(B * max_blocks, -1), plen(2), ptab(2 * max_blocks, -1);
+    dlen[0] = int32_t(rng.integer(1, 1000));
+    dlen[1] = 0;  // a padded request
+    dlen[2] = int32_t(rng.integer(1, 2000));
+    const int q0 = int32_t(rng.integer(1, 299)), q1 = 300 * 2 - q0;
+    plen[0] = q0 + int32_t(rng.integer(0, 700));  // chunked prefill: some context already cached
+    plen[1] = q1;
+    size_t next = 0;
+    for (int b = 0; b < B; ++b)
+      for (int j = 0; j < (dlen[size_t(b)] + 127) / 128; ++j) dtab[size_t(b * max_blocks + j)] = perm[next++ % pages];
+    for (int b = 0; b < 2; ++b)
+      for (int j = 0; j < (plen[size_t(b)] + 127) / 128; ++j) ptab[size_t(b * max_blocks + j)] = perm[next++ % pages];
+    upload(dseq, ints(dlen, {B}));
+    upload(dtable, ints(dtab, {B, max_blocks}));
+    upload(pseq, ints(plen, {2}));
+    upload(ptable, ints(ptab, {2, max_blocks}));
+    upload(pcu, ints({0, q0, q0 + q1}, {3}));
+    dout.fill_bytes(0x7F);
+    pout.fill_bytes(0x7F);
+  }
+  IndexerConfig config() const {
+    IndexerConfig c;
+    c.num_index_heads = H;
+    c.select = {topk, 1, 2};
+    c.index_cache_dtype = fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;
+    c.max_prefill_tokens = T;
+    c.max_decode_seqs = B;
+    c.max_decode_query_len = dql;
+    c.max_blocks_per_seq = max_blocks;
+    return c;
+  }
+  void run(LightningIndexer& ix, cudaStream_t s) {
+    ix.decode({.index_q = dq, .index_cache = cache, .seq_lens = dseq, .block_table = dtable,
+               .decode_query_len = dql, .topk_out = dout}, s);
+    ix.prefill({.index_q = pq, .index_cache = cache, .cu_seqlens_q = pcu, .seq_lens = pseq,
+                .block_table = ptable, .max_query_len = int(T), .topk_out = pout}, s);
+  }
+};
+
+// (fp8, portable): the portable prefill kernel forced on Hopper too.
+class GpuIndexerGraph : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
+
+TEST_P(GpuIndexerGraph, ReplayAfterInPlaceChangesMatchesEagerAndReference) {
+  REQUIRE_GPU();
+  IndexerGraphCase c(std::get<0>(GetParam()));
+  struct Portable {
+    explicit Portable(bool on) { indexer_force_portable_prefill(on); }
+    ~Portable() { indexer_force_portable_prefill(false); }
+  } portable(std::get<1>(GetParam()));
+  LightningIndexer gpu(c.config(), Device::cuda());
+  LightningIndexer cpu(c.config(), Device::cpu());
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  c.refill();
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  c.run(gpu, s);
+  CUDA_OK(cudaStreamEndCapture(s, &graph));
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int round = 0; round < 4; ++round) {
+    c.refill();
+    c.run(gpu, s);
+    CUDA_OK(cudaStreamSynchronize(s));
+    const Tensor eager_d = c.dout.to(Device::cpu()), eager_p = c.pout.to(Device::cpu());
+    c.dout.fill_bytes(0x7F);
+    c.pout.fill_bytes(0x7F);
+    CUDA_OK(cudaGraphLaunch(exec, s));
+    CUDA_OK(cudaStreamSynchronize(s));
+    EXPECT_TRUE(same_bytes(eager_d, c.dout)) << "decode, round " << round;
+    EXPECT_TRUE(same_bytes(eager_p, c.pout)) << "prefill, round " << round;
+    // The CPU reference's scores on the same inputs: every row a correct selection (set
+    // comparison with ties resolved by those scores; src/ops/lightning_indexer/indexer_compare.h).
+    const IndexerConfig cfg = c.config();
+    const Tensor cache = c.cache.to(Device::cpu());
+    const Tensor dq = c.dq.to(Device::cpu()), dseq = c.dseq.to(Device::cpu()), dtab = c.dtable.to(Device::cpu());
+    const Tensor pq = c.pq.to(Device::cpu()), pcu = c.pcu.to(Device::cpu()), pseq = c.pseq.to(Device::cpu()),
+                 ptab = c.ptable.to(Device::cpu());
+    const Tensor got_d = c.dout.to(Device::cpu()), got_p = c.pout.to(Device::cpu());
+    for (bool prefill : {false, true}) {
+      IndexerParams p{};
+      p.index_q = (prefill ? pq : dq).data();
+      p.index_cache = cache.data();
+      p.fp8 = c.fp8;
+      p.num_cache_blocks = c.pages;
+      p.block_table = (prefill ? ptab : dtab).ptr<const int32_t>();
+      p.block_table_stride = c.max_blocks;
+      p.max_blocks = c.max_blocks;
+      p.seq_lens = (prefill ? pseq : dseq).ptr<const int32_t>();
+      p.cu_seqlens_q = prefill ? pcu.ptr<const int32_t>() : nullptr;
+      p.num_seqs = prefill ? 2 : c.B;
+      p.num_tokens = prefill ? c.T : c.B * c.dql;
+      p.decode_query_len = prefill ? 0 : c.dql;
+      p.max_query_len = prefill ? int(c.T) : 0;
+      p.num_heads = c.H;
+      p.topk = cfg.select.topk;
+      p.init_blocks = cfg.select.init_blocks;
+      p.local_blocks = cfg.select.local_blocks;
+      const Tensor& got = prefill ? got_p : got_d;
+      const auto r = detail::compare_indexer_topk(p, got.ptr<int32_t>(), int64_t(c.H) * c.topk,
+                                                  detail::indexer_ref_row_scores(p), 1.0 / 4096);
+      EXPECT_TRUE(r.pass()) << (prefill ? "prefill" : "decode") << ", round " << round << ": " << r.summary()
+                            << "\n" << r.first_failures;
+    }
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
+INSTANTIATE_TEST_SUITE_P(IndexDtype, GpuIndexerGraph, ::testing::Combine(::testing::Bool(), ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param) ? "fp8" : "bf16") +
+                                  (std::get<1>(info.param) ? "_portable" : "");
+                         });
 
 }  // namespace

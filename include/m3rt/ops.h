@@ -72,17 +72,27 @@ void swiglu_oai(const TensorView& out, const TensorView& gate_up, const SwigluOa
 
 // ---------------------------------------------------------------------------------------------
 // qknorm_rope_kv_insert: the fused per-head Gemma RMSNorm + partial NeoX RoPE of q and k on a dense
-// qkv row [q (nq heads) | k (nkv) | v (nkv)] x 128, in place, with optional outputs and KV insert.
+// qkv row [q (nq heads) | k (nkv) | v (nkv)] x 128, in place, with optional outputs and KV insert;
+// with num_index_heads = Hidx > 0 a MiniMax-M3 sparse-layer row
+// [q (nq) | k (nkv) | v (nkv) | index_q (Hidx) | index_k (1)] x 128 and the index-K insert too.
 // One launch. Math per head (fp32 throughout, one rounding at the end):
-//   q' = rope(norm(q; q_norm_weight)), k' = rope(norm(k; k_norm_weight)); rounded to bf16.
+//   q' = rope(norm(q; q_norm_weight)), k' = rope(norm(k; k_norm_weight)); rounded to bf16;
+//   iq' = rope(norm(index_q; index_q_norm_weight)), ik' = rope(norm(index_k; index_k_norm_weight))
+//   likewise (same table row, position and eps).
 // Outputs:
 //   k' is written back into qkv. q' goes to q_out when given, else in place into qkv — unless
 //   q_fp8_out is given without q_out, then q is emitted only in fp8 (qkv's q is left unchanged).
 //   q_fp8_out (optional): e4m3(float(bf16(q')) * (1 / q_fp8_scale)), like scaled_fp8_quant.
 //   Insert (when kv_cache is given): cache K = bf16(k') or e4m3(bf16(k') / k_scale), cache V = v or
 //   e4m3(v / v_scale), at slot_mapping[t] (skipped when < 0). v is never changed in qkv.
+//   Sparse rows (Hidx > 0; every index_* tensor then required, none allowed with Hidx 0):
+//   iq' goes only to index_q_out (qkv's index_q is left unchanged): bf16, or e4m3(float(iq')) with
+//   no scale (saturating to +-448) when the index cache is fp8. ik' is written back into qkv and
+//   into index_cache at element index_slot_mapping[t] * 128 (block slot / 128, row slot % 128;
+//   skipped when < 0) as bf16(ik') or e4m3(float(ik')), unscaled. The main insert stays optional.
 struct QknormRopeKvInsertArgs {
-  TensorView qkv;            // [T, (nq + 2 nkv) * 128] bf16, row stride any, row contiguous
+  TensorView qkv;            // [T, (nq + 2 nkv [+ Hidx + 1]) * 128] bf16, row stride any multiple
+                             // of 8, row contiguous
   TensorView q_norm_weight;  // [128] bf16
   TensorView k_norm_weight;  // [128] bf16
   TensorView cos_sin_cache;  // [max_pos, rotary_dim] bf16
@@ -100,6 +110,15 @@ struct QknormRopeKvInsertArgs {
   KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;
   TensorView k_scale;        // fp32 [1], required for an fp8 cache
   TensorView v_scale;        // fp32 [1], required for an fp8 cache
+  // MiniMax-M3 sparse (MSA) layers: the indexer's heads on the same row, and the index-K insert.
+  int num_index_heads = 0;          // Hidx: 0 = dense row; 1..16
+  TensorView index_q_norm_weight;   // [128] bf16
+  TensorView index_k_norm_weight;   // [128] bf16
+  TensorView index_q_out;           // [T, Hidx * 128], contiguous: bf16, or e4m3 (float8_e4m3 or
+                                    // uint8) when the index cache is fp8
+  TensorView index_slot_mapping;    // [T] int64, the index cache's own slots
+  TensorView index_cache;           // [num_blocks, 128, 128] bf16 or uint8 (fp8), contiguous
+  KvCacheDtype index_cache_dtype = KvCacheDtype::kAuto;  // auto/bfloat16 or fp8/fp8_e4m3
 };
 void qknorm_rope_kv_insert(const QknormRopeKvInsertArgs& args, stream_t stream = nullptr);
 

@@ -19,6 +19,8 @@ constexpr Entry kChecks[] = {
     {"swiglu_oai", detail::check_swiglu_oai},
     {"dspark_context_kv_write", detail::check_dspark_context_kv_write},
     {"qknorm_rope_kv_insert", detail::check_qknorm_rope_kv_insert},
+    {"indexer_prefill", detail::check_indexer_prefill},
+    {"indexer_decode", detail::check_indexer_decode},
 };
 }  // namespace
 

@@ -23,5 +23,7 @@ void check_gemma_rms_norm(CheckContext& c);
 void check_swiglu_oai(CheckContext& c);
 void check_dspark_context_kv_write(CheckContext& c);
 void check_qknorm_rope_kv_insert(CheckContext& c);
+void check_indexer_prefill(CheckContext& c);  // src/ops/lightning_indexer/check_lightning_indexer.cpp
+void check_indexer_decode(CheckContext& c);
 
 }  // namespace m3rt::detail

@@ -137,18 +137,21 @@ int cmd_bench(Args& a) {
   for (const auto& r : rows) {
     std::string ratios;
     for (const auto& [name, x] : r.ratios) ratios += name + " " + fmt("%.2fx", x) + "  ";
-    std::printf("%-28s %-34s %10.2f %12.0f %9.0f %6.1f%%  %s%s\n", r.op.c_str(), r.variant.c_str(), r.us,
-                r.bytes, r.gbps, r.pct_ceiling, ratios.c_str(), r.note.c_str());
+    std::printf("%-28s %-34s %10.2f %12.0f %9.0f %6.1f%%%s  %s%s\n", r.op.c_str(), r.variant.c_str(), r.us,
+                r.bytes, r.gbps, r.pct_ceiling, r.ceiling == "gemm" ? " of GEMM" : "", ratios.c_str(),
+                r.note.c_str());
   }
   if (!json.empty()) {
     std::ofstream out(json);
     if (!out) throw Error("bench: --json '" + json + "': cannot open for writing");
     out << "{\"gpu\": \"" << env.gpu << "\", \"commit\": \"" << M3RT_GIT_COMMIT << "\", \"date\": \""
-        << date << "\", \"copy_ceiling_gbps\": " << env.copy_gbps << ", \"rows\": [\n";
+        << date << "\", \"copy_ceiling_gbps\": " << env.copy_gbps << ", \"gemm_bf16_tflops\": " << env.gemm_tflops
+        << ", \"rows\": [\n";
     for (size_t i = 0; i < rows.size(); ++i) {
       const auto& r = rows[i];
       out << "  {\"op\": \"" << r.op << "\", \"variant\": \"" << r.variant << "\", \"us\": " << r.us
-          << ", \"bytes\": " << r.bytes << ", \"gbps\": " << r.gbps << ", \"pct_ceiling\": " << r.pct_ceiling
+          << ", \"bytes\": " << r.bytes << ", \"gbps\": " << r.gbps << ", \"tflops\": " << r.tflops
+          << ", \"ceiling\": \"" << r.ceiling << "\", \"pct_ceiling\": " << r.pct_ceiling
           << ", \"ratios\": {";
       for (size_t k = 0; k < r.ratios.size(); ++k)
         out << (k ? ", " : "") << "\"" << r.ratios[k].first << "\": " << r.ratios[k].second;

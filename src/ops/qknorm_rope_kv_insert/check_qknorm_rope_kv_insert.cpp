@@ -32,13 +32,23 @@ struct QkShape {
   int64_t T;
   bool insert, fp8_cache, q_out, q_fp8;
   float q_scale;
+  int nidx = 0;            // sparse row: index_q heads (plus one index_k); 0: dense row
+  bool index_fp8 = false;  // fp8 index cache, e4m3 index_q_out
 };
 
 void check_qk_variant(CheckContext& c, const QkShape& s) {
-  const int64_t max_pos = 4096, nb = (s.T + s.bs - 1) / s.bs + 2, W = (s.nq + 2 * s.nkv) * 128;
+  const int64_t max_pos = 4096, nb = (s.T + s.bs - 1) / s.bs + 2;
+  const int iq0 = s.nq + 2 * s.nkv, ik0 = iq0 + s.nidx;  // first index_q head, the index_k head
+  const int64_t W = (iq0 + (s.nidx > 0 ? s.nidx + 1 : 0)) * 128;
   const float eps = 1e-6f;
-  c.variant = std::string(!s.insert ? "no-insert" : s.fp8_cache ? "fp8-cache" : "bf16-cache") +
-              " nq" + std::to_string(s.nq) + " nkv" + std::to_string(s.nkv) + " rot" +
+  // Sparse rows name both caches ("bf16-kv fp8-idx4 ..."), within the CLI's 44-column variant.
+  const std::string idx =
+      s.nidx == 0 ? "" : (s.index_fp8 ? " fp8-idx" : " bf16-idx") + std::to_string(s.nidx);
+  c.variant = std::string(!s.insert     ? "no-insert"
+                          : s.nidx > 0  ? (s.fp8_cache ? "fp8-kv" : "bf16-kv")
+                          : s.fp8_cache ? "fp8-cache"
+                                        : "bf16-cache") +
+              idx + " nq" + std::to_string(s.nq) + " nkv" + std::to_string(s.nkv) + " rot" +
               std::to_string(s.rot) + " T" + std::to_string(s.T) + (s.q_out ? " +q_out" : "") +
               (s.q_fp8 ? " +q_fp8" : "");
   Tensor qkv = random_half({s.T, W}, DType::kBFloat16, c.rng, -4, 4);
@@ -54,8 +64,20 @@ void check_qk_variant(CheckContext& c, const QkShape& s) {
   Tensor k_scale = scalar_f32(ksc), v_scale = scalar_f32(vsc);
   const DType cdt = s.fp8_cache ? DType::kUInt8 : DType::kBFloat16;
   const std::vector<int64_t> cshape = {nb, s.nkv, s.bs, 256};
+  // Sparse rows: the index heads' weights and the index cache [nbi, 128, 128] with its own slots
+  // (dense rows: empty index outputs).
+  const int64_t nbi = s.nidx > 0 ? (s.T + 127) / 128 + 2 : 0;
+  Tensor iqw, ikw, islots;
+  if (s.nidx > 0) {
+    iqw = random_half({128}, DType::kBFloat16, c.rng, -1, 1);
+    ikw = random_half({128}, DType::kBFloat16, c.rng, -1, 1);
+    islots = int64_vector(random_slots(s.T, nbi * 128, 5, c.rng));
+  }
+  const DType iq_dt = s.index_fp8 ? DType::kFloat8E4M3 : DType::kBFloat16;
+  const DType icdt = s.index_fp8 ? DType::kUInt8 : DType::kBFloat16;
+  const std::vector<int64_t> iq_shape = {s.T, int64_t(s.nidx) * 128}, icshape = {nbi, 128, 128};
   struct Out {
-    Tensor qkv, q_out, q_fp8, cache;
+    Tensor qkv, q_out, q_fp8, cache, index_q, index_cache;
   };
   auto run = [&](Device dev) {
     Out o;
@@ -79,8 +101,23 @@ void check_qk_variant(CheckContext& c, const QkShape& s) {
       a.k_scale = ksd;
       a.v_scale = vsd;
     }
+    Tensor index_q = poisoned(iq_shape, iq_dt, dev), index_cache = poisoned(icshape, icdt, dev);
+    Tensor iqwd, ikwd, isd;
+    if (s.nidx > 0) {
+      iqwd = on(iqw, dev);
+      ikwd = on(ikw, dev);
+      isd = on(islots, dev);
+      a.num_index_heads = s.nidx;
+      a.index_q_norm_weight = iqwd;
+      a.index_k_norm_weight = ikwd;
+      a.index_q_out = index_q;
+      a.index_slot_mapping = isd;
+      a.index_cache = index_cache;
+      a.index_cache_dtype = s.index_fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kBFloat16;
+    }
     qknorm_rope_kv_insert(a);
-    return Out{to_host(x), to_host(q_out), to_host(q_fp8), to_host(cache)};
+    return Out{to_host(x), to_host(q_out), to_host(q_fp8), to_host(cache), to_host(index_q),
+               to_host(index_cache)};
   };
   Out got = run(c.device), want;
   if (c.device.is_cuda()) {
@@ -88,7 +125,8 @@ void check_qk_variant(CheckContext& c, const QkShape& s) {
   } else {
     want = Out{qkv.to(Device::cpu()), poisoned({s.T, int64_t(s.nq) * 128}, DType::kBFloat16, Device::cpu()),
                poisoned({s.T, int64_t(s.nq) * 128}, DType::kFloat8E4M3, Device::cpu()),
-               poisoned(cshape, cdt, Device::cpu())};
+               poisoned(cshape, cdt, Device::cpu()), poisoned(iq_shape, iq_dt, Device::cpu()),
+               poisoned(icshape, icdt, Device::cpu())};
     const bool q_in_place = !s.q_out && !s.q_fp8;
     for (int64_t t = 0; t < s.T; ++t) {
       const uint16_t* row = qkv.ptr<uint16_t>() + t * W;
@@ -113,6 +151,24 @@ void check_qk_variant(CheckContext& c, const QkShape& s) {
         oracle_store(want.cache.data(), s.fp8_cache, e, y, ksc);
         oracle_store(want.cache.data(), s.fp8_cache, e + 128, row + (s.nq + s.nkv + h) * 128, vsc);
       }
+      if (s.nidx == 0) continue;
+      // Sparse row: index_q only to index_q_out (bf16, or e4m3 of the bf16 value, unscaled);
+      // index_k in place and at index slot * 128 (index_q in qkv stays as it was).
+      for (int h = 0; h < s.nidx; ++h) {
+        oracle_norm_rope(row + (iq0 + h) * 128, iqw.ptr<uint16_t>(), cs, s.rot, eps, y);
+        for (int d = 0; d < 128; ++d) {
+          const int64_t o = (t * s.nidx + h) * 128 + d;
+          if (s.index_fp8) {
+            want.index_q.ptr<uint8_t>()[o] = float_to_e4m3(b2f(y[d]));
+          } else {
+            want.index_q.ptr<uint16_t>()[o] = y[d];
+          }
+        }
+      }
+      oracle_norm_rope(row + ik0 * 128, ikw.ptr<uint16_t>(), cs, s.rot, eps, y);
+      std::copy(y, y + 128, wrow + ik0 * 128);
+      const int64_t islot = islots.ptr<int64_t>()[t];
+      if (islot >= 0) oracle_store(want.index_cache.data(), s.index_fp8, islot * 128, y, 1.0);
     }
   }
   const int64_t qk = int64_t(s.nq + s.nkv) * 128;
@@ -138,6 +194,24 @@ void check_qk_variant(CheckContext& c, const QkShape& s) {
             rope_abs);
     add_row(c, "cache.V", got.cache.view().narrowed(3, 128, 128), want.cache.view().narrowed(3, 128, 128), code, 0);
   }
+  if (s.nidx > 0) {
+    add_row(c, "qkv.index_q", got.qkv.view().narrowed(1, iq0 * 128, s.nidx * 128),
+            want.qkv.view().narrowed(1, iq0 * 128, s.nidx * 128), DType::kBFloat16, 0);
+    add_row(c, "qkv.index_k", got.qkv.view().narrowed(1, ik0 * 128, 128),
+            want.qkv.view().narrowed(1, ik0 * 128, 128), DType::kBFloat16, 1, rope_abs);
+    add_row(c, "index_q_out", got.index_q, want.index_q, iq_dt, 1, rope_abs);
+    const DType icode = s.index_fp8 ? DType::kFloat8E4M3 : DType::kBFloat16;
+    add_row(c, "index_cache", got.index_cache, want.index_cache, icode, 1, rope_abs);
+    // Bitwise: the index cache rows are exactly the ik' the same run left in qkv (copied, or cast
+    // to e4m3 unscaled); rows of index slots < 0 keep their poison.
+    Tensor stored = poisoned(icshape, icdt, Device::cpu());
+    for (int64_t t = 0; t < s.T; ++t) {
+      const int64_t islot = islots.ptr<int64_t>()[t];
+      const uint16_t* ik = got.qkv.ptr<uint16_t>() + t * W + ik0 * 128;
+      if (islot >= 0) oracle_store(stored.data(), s.index_fp8, islot * 128, ik, 1.0);
+    }
+    add_row(c, "index_cache=qkv.index_k", got.index_cache, stored, icode, 0);
+  }
 }
 
 }  // namespace
@@ -147,6 +221,11 @@ void check_qknorm_rope_kv_insert(CheckContext& c) {
   check_qk_variant(c, {64, 4, 64, 64, 29, true, false, true, false, 1.f});
   check_qk_variant(c, {16, 4, 32, 16, 41, true, true, true, true, 0.5f});
   check_qk_variant(c, {8, 1, 16, 128, 9, true, true, false, true, 0.37f});
+  // MiniMax-M3 sparse rows: TP1 (bf16 caches), TP2 (fp8 caches, q and index_q in e4m3), and a
+  // small one without the main insert (index heads right after v, no v items).
+  check_qk_variant(c, {64, 4, 64, 128, 29, true, false, true, false, 1.f, 4, false});
+  check_qk_variant(c, {32, 2, 64, 128, 41, true, true, false, true, 0.5f, 2, true});
+  check_qk_variant(c, {8, 1, 16, 16, 37, false, false, false, false, 1.f, 1, false});
 }
 
 }  // namespace m3rt::detail

@@ -11,7 +11,7 @@ namespace m3rt {
 enum class QkvInsertMode : uint8_t { kNone, kBFloat16, kFp8 };
 
 struct QknormRopeKvInsertParams {
-  uint16_t* qkv;                  // [T, (nq + 2 nkv) * 128] bf16, rows stride_qkv_t apart
+  uint16_t* qkv;                  // [T, (nq + 2 nkv [+ Hidx + 1]) * 128] bf16, rows stride_qkv_t apart
   int64_t stride_qkv_t;
   const uint16_t* q_norm_weight;  // [128]
   const uint16_t* k_norm_weight;  // [128]
@@ -36,6 +36,15 @@ struct QknormRopeKvInsertParams {
   int64_t stride_cache_head;
   const float* k_scale;           // fp8 insert only
   const float* v_scale;
+  // Sparse (MSA) rows: [q | k | v | index_q (Hidx) | index_k] x 128. num_index_heads 0: dense row.
+  int num_index_heads;                  // Hidx
+  const uint16_t* index_q_norm_weight;  // [128]
+  const uint16_t* index_k_norm_weight;  // [128]
+  void* index_q_out;                    // [T, Hidx * 128] bf16, or e4m3 when index_fp8
+  const int64_t* index_slots;           // [T]; < 0: skip
+  void* index_cache;                    // [num_blocks * 128, 128] bf16, or e4m3 when index_fp8
+  int64_t index_num_slots;              // num_blocks * 128
+  bool index_fp8;                       // e4m3 index_q_out and index cache, unscaled (a runtime flag)
 };
 
 void qknorm_rope_kv_insert_ref(const QknormRopeKvInsertParams& p);

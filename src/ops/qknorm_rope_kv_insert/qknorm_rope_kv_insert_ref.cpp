@@ -1,5 +1,6 @@
-// CPU reference of qknorm_rope_kv_insert: plain fp32 loops (../shared/spec/dspark.md §5.3), built
-// with -ffp-contract=off. Norm and RoPE stay in fp32 with a single rounding to bf16 at the end.
+// CPU reference of qknorm_rope_kv_insert: plain fp32 loops (../shared/spec/dspark.md §5.3; sparse
+// rows: msa.md §1.4, §2.2-2.3), built with -ffp-contract=off. Norm and RoPE stay in fp32 with a
+// single rounding to bf16 at the end.
 #include <cmath>
 #include <vector>
 
@@ -30,12 +31,17 @@ void norm_rope_head(const uint16_t* x, const uint16_t* w, const uint16_t* cs, in
 void qknorm_rope_kv_insert_ref(const QknormRopeKvInsertParams& p) {
   const char* op = "qknorm_rope_kv_insert";
   const int nq = p.num_heads, nkv = p.num_kv_heads, R = p.rotary_dim;
+  const int nidx = p.num_index_heads;
   const bool insert = p.insert != QkvInsertMode::kNone;
   // Every index is checked before anything is written.
   for (int64_t t = 0; t < p.num_tokens; ++t) {
     const int64_t slot = insert ? p.slots[t] : -1;
     check_slot_and_position(op, t, slot, insert ? p.num_slots : INT64_MAX, p.positions[t],
                             p.max_pos);
+    if (nidx > 0 && p.index_slots[t] >= p.index_num_slots) {
+      throw_arg_error(op, "index_slot_mapping[" + std::to_string(t) + "]", std::to_string(p.index_slots[t]),
+                      "must be < num_blocks * 128 = " + std::to_string(p.index_num_slots));
+    }
   }
   const int64_t bs = int64_t(1) << p.block_size_log2;
   float y[128];
@@ -71,6 +77,33 @@ void qknorm_rope_kv_insert_ref(const QknormRopeKvInsertParams& p) {
           c16[base + d] = k[d];
           c16[base + 128 + d] = v[d];
         }
+      }
+    }
+    if (nidx == 0) continue;
+    // Sparse row: index_q heads to index_q_out only, index_k in place and into the index cache,
+    // bf16 or e4m3 of the bf16-rounded value with no scale.
+    for (int h = 0; h < nidx; ++h) {
+      norm_rope_head(row + (nq + 2 * nkv + h) * 128, p.index_q_norm_weight, cs, R, p.eps, y);
+      for (int d = 0; d < 128; ++d) {
+        const uint16_t qb = float_to_bf16(y[d]);
+        const int64_t o = (t * nidx + h) * 128 + d;
+        if (p.index_fp8) {
+          static_cast<uint8_t*>(p.index_q_out)[o] = float_to_e4m3(bf16_to_float(qb));
+        } else {
+          static_cast<uint16_t*>(p.index_q_out)[o] = qb;
+        }
+      }
+    }
+    uint16_t* ik = row + (nq + 2 * nkv + nidx) * 128;
+    norm_rope_head(ik, p.index_k_norm_weight, cs, R, p.eps, y);
+    for (int d = 0; d < 128; ++d) ik[d] = float_to_bf16(y[d]);
+    const int64_t islot = p.index_slots[t];
+    if (islot < 0) continue;
+    for (int d = 0; d < 128; ++d) {
+      if (p.index_fp8) {
+        static_cast<uint8_t*>(p.index_cache)[islot * 128 + d] = float_to_e4m3(bf16_to_float(ik[d]));
+      } else {
+        static_cast<uint16_t*>(p.index_cache)[islot * 128 + d] = ik[d];
       }
     }
   }

@@ -1,0 +1,185 @@
+// Benchmark of the lightning indexer at M3's TP1 shape (4 index heads, dim 128, topk 16, init 0,
+// local 1), bf16 and fp8 index caches.
+//
+// Decode (dql 1), batch 1/8/32/128, every request at context 32K or 128K: bytes = the index-K rows
+// the requests must read (batch x context x 128 x 1 or 2 bytes); q, the block table and the top-k
+// output are < 0.1% and not counted. Reported against the copy ceiling measured in the run.
+// Inputs rotate over sets (disjoint pages of one cache) larger than 3x L2; graph replays.
+// Prefill, one request of 8K and 32K new tokens: effective FLOPs = the causal QK^T over the 4 heads
+// (sum over tokens of (position + 1) x 128 x 2 x 4), against the bf16 GEMM rate measured in the
+// run; the selection kernel's share of the time is timed separately and reported in the note, and
+// the portable mma.sync scoring kernel (what non-Hopper GPUs run) is timed as a baseline.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+
+#include "bench.h"
+#include "core/cuda_check.h"
+#include "m3rt/lightning_indexer.h"
+#include "ops/lightning_indexer/lightning_indexer.h"
+
+namespace m3rt::bench {
+
+namespace {
+
+__global__ void fill_e4m3_kernel(uint8_t* p, int64_t n, uint64_t seed) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint64_t z = seed + 0x9e3779b97f4a7c15ull * uint64_t(i + 1);  // splitmix64
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    // Magnitudes 2^-4 .. 2^3 (exponent field 3..10), random sign and mantissa; never NaN.
+    const uint8_t mant = uint8_t(z & 7u), exp = uint8_t(3 + (z >> 3) % 8), sign = uint8_t((z >> 8) & 1u);
+    p[i] = uint8_t(sign << 7 | exp << 3 | mant);
+  }
+}
+
+void fill_index_values(const Tensor& t, bool fp8, uint64_t seed) {
+  if (fp8) {
+    fill_e4m3_kernel<<<1024, 256>>>(t.ptr<uint8_t>(), t.numel(), seed);
+    M3RT_LAUNCH_CHECK(nullptr, "fill_e4m3_kernel");
+  } else {
+    fill_uniform_bf16(t.data(), t.numel(), seed, -2.f, 2.f);
+  }
+}
+
+Tensor int32_on_gpu(const std::vector<int32_t>& v, std::vector<int64_t> shape) {
+  Tensor h = Tensor::empty(shape, DType::kInt32);
+  std::copy(v.begin(), v.end(), h.ptr<int32_t>());
+  return h.to(Device::cuda());
+}
+
+constexpr int kHeads = 4, kTopk = 16;
+
+}  // namespace
+
+std::vector<BenchRow> bench_lightning_indexer(BenchEnv& env) {
+  std::vector<BenchRow> rows;
+  std::mt19937_64 rng(7);
+  const DType code = DType::kUInt8;
+  // ---- decode ----
+  const std::vector<int> batches = env.quick ? std::vector<int>{8} : std::vector<int>{1, 8, 32, 128};
+  for (bool fp8 : {false, true}) {
+    for (int ctx : {32768, 131072}) {
+      for (int B : batches) {
+        const int pages = ctx / kIndexBlockSize;
+        const double bytes = double(B) * ctx * 128 * (fp8 ? 1 : 2);
+        const int sets = sets_beyond_l2(bytes, 16);
+        const int64_t num_pages = int64_t(sets) * B * pages;
+        Tensor cache = Tensor::empty({num_pages, 128, 128}, fp8 ? code : DType::kBFloat16, Device::cuda());
+        fill_index_values(cache, fp8, 31);
+        std::vector<int32_t> ids(static_cast<size_t>(num_pages));
+        std::iota(ids.begin(), ids.end(), 0);
+        std::shuffle(ids.begin(), ids.end(), rng);
+        std::vector<Tensor> tables(sets), qs(sets);
+        for (int s = 0; s < sets; ++s) {
+          tables[s] = int32_on_gpu({ids.begin() + int64_t(s) * B * pages, ids.begin() + int64_t(s + 1) * B * pages},
+                                   {B, pages});
+          qs[s] = Tensor::empty({B, kHeads, 128}, fp8 ? code : DType::kBFloat16, Device::cuda());
+          fill_index_values(qs[s], fp8, 100 + s);
+        }
+        Tensor seq_lens = int32_on_gpu(std::vector<int32_t>(size_t(B), ctx), {B});
+        Tensor out = Tensor::empty({B, kHeads, kTopk}, DType::kInt32, Device::cuda());
+        IndexerConfig cfg;
+        cfg.num_index_heads = kHeads;
+        cfg.select.topk = kTopk;
+        cfg.index_cache_dtype = fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;
+        cfg.max_decode_seqs = B;
+        cfg.max_blocks_per_seq = pages;
+        LightningIndexer indexer(cfg, Device::cuda());
+        auto call = [&](int s, CUstream_st* st) {
+          IndexerDecodeArgs a{.index_q = qs[s], .index_cache = cache, .seq_lens = seq_lens,
+                              .block_table = tables[s], .decode_query_len = 1, .topk_out = out};
+          indexer.decode(a, st);
+        };
+        BenchRow r;
+        r.op = "lightning_indexer";
+        r.variant = std::string("decode ") + (fp8 ? "fp8" : "bf16") + " B" + std::to_string(B) + " ctx" +
+                    std::to_string(ctx / 1024) + "K";
+        r.us = time_us(call, sets, true, env);
+        r.bytes = bytes;
+        r.gbps = bytes / (r.us * 1e3);
+        r.pct_ceiling = 100.0 * r.gbps / env.copy_gbps;
+        r.note = "selection fused";
+        rows.push_back(r);
+      }
+    }
+  }
+  // ---- prefill ----
+  if (env.gemm_tflops == 0) env.gemm_tflops = measure_gemm_tflops();
+  for (bool fp8 : {false, true}) {
+    for (int L : env.quick ? std::vector<int>{8192} : std::vector<int>{8192, 32768}) {
+      const int pages = L / kIndexBlockSize;
+      Tensor cache = Tensor::empty({pages, 128, 128}, fp8 ? code : DType::kBFloat16, Device::cuda());
+      fill_index_values(cache, fp8, 41);
+      std::vector<int32_t> ids(static_cast<size_t>(pages));
+      std::iota(ids.begin(), ids.end(), 0);
+      std::shuffle(ids.begin(), ids.end(), rng);
+      Tensor table = int32_on_gpu(ids, {1, pages});
+      Tensor q = Tensor::empty({L, kHeads, 128}, fp8 ? code : DType::kBFloat16, Device::cuda());
+      fill_index_values(q, fp8, 43);
+      Tensor cu = int32_on_gpu({0, L}, {2});
+      Tensor seq_lens = int32_on_gpu({L}, {1});
+      Tensor out = Tensor::empty({L, kHeads, kTopk}, DType::kInt32, Device::cuda());
+      IndexerConfig cfg;
+      cfg.num_index_heads = kHeads;
+      cfg.select.topk = kTopk;
+      cfg.index_cache_dtype = fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;
+      cfg.max_prefill_tokens = L;
+      cfg.max_blocks_per_seq = pages;
+      LightningIndexer indexer(cfg, Device::cuda());
+      const IndexerPrefillArgs a{.index_q = q, .index_cache = cache, .cu_seqlens_q = cu, .seq_lens = seq_lens,
+                                 .block_table = table, .max_query_len = L, .topk_out = out};
+      auto call = [&](int, CUstream_st* st) { indexer.prefill(a, st); };
+      // The selection alone, on scores the scoring kernel left in a scratch of our own.
+      Tensor scores = Tensor::empty({L, kHeads, pages}, DType::kFloat32, Device::cuda());
+      IndexerParams sp{};
+      sp.index_q = q.data();
+      sp.index_cache = cache.data();
+      sp.fp8 = fp8;
+      sp.num_cache_blocks = pages;
+      sp.block_table = table.ptr<const int32_t>();
+      sp.block_table_stride = pages;
+      sp.max_blocks = pages;
+      sp.seq_lens = seq_lens.ptr<const int32_t>();
+      sp.cu_seqlens_q = cu.ptr<const int32_t>();
+      sp.num_seqs = 1;
+      sp.num_tokens = L;
+      sp.max_query_len = L;
+      sp.num_heads = kHeads;
+      sp.topk = kTopk;
+      sp.init_blocks = 0;
+      sp.local_blocks = 1;
+      sp.topk_out = out.ptr<int32_t>();
+      sp.topk_stride_t = int64_t(kHeads) * kTopk;
+      sp.scores = scores.ptr<float>();
+      indexer_prefill_score_launch(sp, nullptr);  // real scores for the selection to rank
+      auto select = [&](int, CUstream_st* st) { indexer_prefill_select_launch(sp, st); };
+      BenchRow r;
+      r.op = "lightning_indexer";
+      r.variant = std::string("prefill ") + (fp8 ? "fp8" : "bf16") + " " + std::to_string(L / 1024) + "K";
+      r.us = time_us(call, 1, true, env, 3);
+      const double select_us = time_us(select, 1, true, env, 3);
+      indexer_force_portable_prefill(true);  // the portable mma.sync scoring kernel, as a baseline
+      const double portable_us = time_us(call, 1, true, env, 3);
+      indexer_force_portable_prefill(false);
+      r.ratios.push_back({"vs mma.sync kernel", portable_us / r.us});
+      const double flops = double(kHeads) * 128 * 2 * (double(L) * (L + 1) / 2);
+      r.tflops = flops / (r.us * 1e6);
+      r.ceiling = "gemm";
+      r.pct_ceiling = 100.0 * r.tflops / env.gemm_tflops;
+      r.bytes = double(L) * 128 * (fp8 ? 1 : 2) * (1 + kHeads);
+      r.gbps = r.bytes / (r.us * 1e3);
+      char note[160];
+      std::snprintf(note, sizeof(note), "%.0f TFLOP/s of bf16 GEMM %.0f; selection %.1f us (%.0f%%)", r.tflops,
+                    env.gemm_tflops, select_us, 100.0 * select_us / r.us);
+      r.note = note;
+      rows.push_back(r);
+    }
+  }
+  return rows;
+}
+
+}  // namespace m3rt::bench

@@ -1,0 +1,275 @@
+// The `m3rt check` rows of the lightning indexer: indexer_prefill (varlen, chunked prefill) and
+// indexer_decode (decode_query_len 1, 8, 32 with padded requests).
+// A selection is checked as a set (indexer_compare.h): the contract, the forced blocks, and the
+// ranking against reference scores within error bounds — on the CPU against an fp64 oracle of the
+// spec's formula (rel_tol 129 * 2^-24, the bound of a 128-term fp32 dot), on a GPU against the CPU
+// reference's scores (rel_tol 2^-12: tensor-core sums). topk_out is poisoned with 0x7F bytes
+// (0x7F7F7F7F is no valid id; 0xFF bytes would read as -1, a valid entry) and rows >= T must keep
+// them. Every index-cache row no token may read holds NaN (0xFF bytes in bf16 and e4m3): pages no
+// request uses, a request's rows at positions >= seq_len, and all rows of a request without query
+// tokens; unused block_table entries hold garbage page ids. So a kernel that reads past the causal
+// range, or through an entry it should not use, selects by NaN or fails to stay in bounds.
+// Shared helpers: src/check/check_helpers.h.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "check/check_helpers.h"
+#include "check/check_util.h"
+#include "m3rt/lightning_indexer.h"
+#include "ops/lightning_indexer/indexer_compare.h"
+#include "ops/lightning_indexer/lightning_indexer.h"
+
+namespace m3rt::detail {
+
+namespace {
+
+constexpr int kBs = kIndexBlockSize;
+constexpr uint8_t kTopkPoison = 0x7F;
+constexpr int64_t kExtraRows = 3;        // topk_out rows past T: must stay poisoned
+constexpr double kCpuRelTol = 129 * 0x1p-24;  // > gamma_128: a 128-term fp32 dot vs the exact one
+constexpr double kGpuRelTol = 0x1p-12;
+
+struct IdxVariant {
+  bool fp8;
+  int heads;
+  IndexerSelection sel;
+  int dql;                    // decode_query_len; 0: prefill
+  std::vector<int> seq_lens;
+  std::vector<int> q_lens;    // prefill: query tokens of each request
+};
+
+// Host inputs of one call.
+struct IdxInputs {
+  Tensor q, cache, cu, seq_lens, table;
+  int64_t T = 0;
+  int max_query_len = 0;
+};
+
+uint16_t random_code(Rng& rng, bool fp8) {
+  return fp8 ? float_to_e4m3(rng.uniform(-2.f, 2.f)) : float_to_bf16(rng.uniform(-1.f, 1.f));
+}
+
+IdxInputs make_inputs(Rng& rng, const IdxVariant& v) {
+  const int B = int(v.seq_lens.size()), H = v.heads;
+  const int64_t esz = v.fp8 ? 1 : 2;
+  const DType cdt = v.fp8 ? DType::kUInt8 : DType::kBFloat16;
+  IdxInputs in;
+  std::vector<int32_t> cu(size_t(B) + 1, 0);
+  for (int b = 0; b < B; ++b) {
+    const int ql = v.dql ? v.dql : v.q_lens[size_t(b)];
+    cu[size_t(b) + 1] = cu[size_t(b)] + ql;
+    in.max_query_len = std::max(in.max_query_len, ql);
+  }
+  in.T = cu[size_t(B)];
+  // Every used block gets its own page of a shuffled set; 3 spare pages no request references.
+  std::vector<int> blocks(static_cast<size_t>(B));
+  int width = 1, used = 0;
+  for (int b = 0; b < B; ++b) {
+    blocks[size_t(b)] = (v.seq_lens[size_t(b)] + kBs - 1) / kBs;
+    width = std::max(width, blocks[size_t(b)] + 1);
+    used += blocks[size_t(b)];
+  }
+  const int pages = used + 3;
+  std::vector<int32_t> perm(static_cast<size_t>(pages));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng.gen());
+  in.table = Tensor::empty({B, width}, DType::kInt32);
+  in.cache = Tensor::empty({pages, kBs, 128}, cdt);
+  in.cache.fill_bytes(0xFF);
+  const int32_t garbage[] = {-1, pages, INT32_MAX, INT32_MIN, pages + 1000};
+  int next = 0;
+  for (int b = 0; b < B; ++b) {
+    // Rows some token may read: positions < seq_len, when the request has query tokens.
+    const bool queried = cu[size_t(b) + 1] > cu[size_t(b)];
+    for (int j = 0; j < width; ++j) {
+      int32_t& e = in.table.ptr<int32_t>()[b * width + j];
+      e = j < blocks[size_t(b)] ? perm[size_t(next++)] : garbage[(b + j) % 5];
+      if (j >= blocks[size_t(b)] || !queried) continue;
+      const int rows = std::min(kBs, v.seq_lens[size_t(b)] - j * kBs);
+      for (int64_t i = 0; i < int64_t(rows) * 128; ++i) {
+        const uint16_t c = random_code(rng, v.fp8);
+        const int64_t o = (int64_t(e) * kBs * 128 + i) * esz;
+        if (v.fp8) in.cache.ptr<uint8_t>()[o] = uint8_t(c);
+        else in.cache.ptr<uint16_t>()[o / 2] = c;
+      }
+    }
+  }
+  in.q = Tensor::empty({in.T, H, 128}, v.fp8 ? (v.dql ? DType::kFloat8E4M3 : DType::kUInt8) : DType::kBFloat16);
+  for (int64_t i = 0; i < in.q.numel(); ++i) {
+    const uint16_t c = random_code(rng, v.fp8);
+    if (v.fp8) in.q.ptr<uint8_t>()[i] = uint8_t(c);
+    else in.q.ptr<uint16_t>()[i] = c;
+  }
+  in.cu = Tensor::empty({B + 1}, DType::kInt32);
+  std::copy(cu.begin(), cu.end(), in.cu.ptr<int32_t>());
+  in.seq_lens = Tensor::empty({B}, DType::kInt32);
+  std::copy(v.seq_lens.begin(), v.seq_lens.end(), in.seq_lens.ptr<int32_t>());
+  return in;
+}
+
+IndexerParams host_params(const IdxVariant& v, const IdxInputs& in) {
+  IndexerParams p{};
+  p.index_q = in.q.data();
+  p.index_cache = in.cache.data();
+  p.fp8 = v.fp8;
+  p.num_cache_blocks = in.cache.view().shape[0];
+  p.block_table = in.table.ptr<const int32_t>();
+  p.block_table_stride = in.table.view().stride[0];
+  p.max_blocks = int(in.table.view().shape[1]);
+  p.seq_lens = in.seq_lens.ptr<const int32_t>();
+  p.cu_seqlens_q = v.dql ? nullptr : in.cu.ptr<const int32_t>();
+  p.num_seqs = int(v.seq_lens.size());
+  p.num_tokens = in.T;
+  p.decode_query_len = v.dql;
+  p.max_query_len = in.max_query_len;
+  p.num_heads = v.heads;
+  p.topk = v.sel.topk;
+  p.init_blocks = v.sel.init_blocks;
+  p.local_blocks = v.sel.local_blocks;
+  return p;
+}
+
+// The spec's scores in fp64 (exact products; sums with negligible rounding), with positions taken
+// from the variant's own request lengths: independent of the reference's code.
+class Oracle {
+ public:
+  Oracle(const IdxVariant& v, const IdxInputs& in) : v_(v), in_(in) {
+    auto decode = [&](const Tensor& t, std::vector<double>& out) {
+      out.resize(size_t(t.numel()));
+      for (int64_t i = 0; i < t.numel(); ++i)
+        out[size_t(i)] = v.fp8 ? e4m3_to_float(t.ptr<uint8_t>()[i]) : b2f(t.ptr<uint16_t>()[i]);
+    };
+    decode(in.q, q_);
+    decode(in.cache, k_);
+  }
+  int operator()(int64_t t, int h, std::vector<double>& s) const {
+    const int* seq = v_.seq_lens.data();
+    int b = 0;
+    int64_t pos = 0;
+    if (v_.dql) {
+      b = int(t / v_.dql);
+      pos = seq[b] - v_.dql + t % v_.dql;
+    } else {
+      int64_t first = 0;
+      while (t >= first + v_.q_lens[size_t(b)]) first += v_.q_lens[size_t(b++)];
+      pos = seq[b] - v_.q_lens[size_t(b)] + (t - first);
+    }
+    if (pos < 0) return 0;
+    const int nb = int(pos / kBs) + 1;
+    s.assign(size_t(nb), NAN);
+    const double* q = q_.data() + (t * v_.heads + h) * 128;
+    for (int64_t n = 0; n <= pos; ++n) {
+      const int64_t page = in_.table.ptr<int32_t>()[b * in_.table.view().shape[1] + n / kBs];
+      const double* k = k_.data() + (page * kBs + n % kBs) * 128;
+      double dot = 0;
+      for (int d = 0; d < 128; ++d) dot += q[d] * k[d];
+      double& best = s[size_t(n / kBs)];
+      if (!std::isnan(dot) && (std::isnan(best) || dot > best)) best = dot;
+    }
+    return nb;
+  }
+
+ private:
+  const IdxVariant& v_;
+  const IdxInputs& in_;
+  std::vector<double> q_, k_;
+};
+
+// The op on `dev` with poisoned output rows; returns them on the host.
+Tensor run_indexer(const IdxVariant& v, const IdxInputs& in, Device dev) {
+  IndexerConfig cfg;
+  cfg.num_index_heads = v.heads;
+  cfg.select = v.sel;
+  cfg.index_cache_dtype = v.fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kBFloat16;
+  cfg.max_prefill_tokens = v.dql ? 0 : in.T;
+  cfg.max_decode_seqs = v.dql ? int(v.seq_lens.size()) : 0;
+  cfg.max_decode_query_len = std::max(v.dql, 1);
+  cfg.max_blocks_per_seq = int(in.table.view().shape[1]);
+  LightningIndexer indexer(cfg, dev);
+  Tensor q = on(in.q, dev), cache = on(in.cache, dev), cu = on(in.cu, dev), lens = on(in.seq_lens, dev),
+         table = on(in.table, dev);
+  Tensor out = Tensor::empty({in.T + kExtraRows, v.heads, v.sel.topk}, DType::kInt32, dev);
+  out.fill_bytes(kTopkPoison);
+  if (v.dql) {
+    indexer.decode({.index_q = q, .index_cache = cache, .seq_lens = lens, .block_table = table,
+                    .decode_query_len = v.dql, .topk_out = out});
+  } else {
+    indexer.prefill({.index_q = q, .index_cache = cache, .cu_seqlens_q = cu, .seq_lens = lens,
+                     .block_table = table, .max_query_len = in.max_query_len, .topk_out = out});
+  }
+  return to_host(out);
+}
+
+// One table row for a set comparison: worst = failed (token, head) rows, tolerance 0 rows.
+void add_set_row(CheckContext& c, const std::string& output, const IndexerCompareResult& r) {
+  CheckRow row;
+  row.op = c.op;
+  row.variant = c.variant;
+  row.device = c.device.str();
+  row.output = output;
+  row.worst = double(r.rows_failed);
+  row.unit = "rows";
+  row.where = "of " + std::to_string(r.rows_checked) + " rows";
+  row.tolerance = 0;
+  row.checked = r.rows_checked;
+  row.pass = r.pass();
+  if (!row.pass) {
+    std::string f = r.first_failures;
+    std::replace(f.begin(), f.end(), '\n', ';');
+    row.message = r.summary() + ": " + f;
+  }
+  c.rows.push_back(row);
+}
+
+void check_indexer_variant(CheckContext& c, const IdxVariant& v) {
+  const IndexerSelection& s = v.sel;
+  IdxInputs in = make_inputs(c.rng, v);
+  c.variant = std::string(v.fp8 ? "fp8" : "bf16") + " H" + std::to_string(v.heads) + " k" +
+              std::to_string(s.topk) + "/i" + std::to_string(s.init_blocks) + "/l" +
+              std::to_string(s.local_blocks) + (v.dql ? " dql" + std::to_string(v.dql) : "") +
+              " B" + std::to_string(v.seq_lens.size()) + " T" + std::to_string(in.T);
+  const Tensor got = run_indexer(v, in, c.device);
+  const IndexerParams p = host_params(v, in);
+  const int64_t row_stride = int64_t(v.heads) * s.topk;
+  IndexerCompareResult r;
+  if (c.device.is_cuda()) {
+    r = compare_indexer_topk(p, got.ptr<int32_t>(), row_stride, indexer_ref_row_scores(p), kGpuRelTol);
+  } else {
+    const Oracle oracle(v, in);
+    r = compare_indexer_topk(
+        p, got.ptr<int32_t>(), row_stride,
+        [&oracle](int64_t t, int h, std::vector<double>& sc) { return oracle(t, h, sc); }, kCpuRelTol);
+  }
+  add_set_row(c, "topk_out (sets)", r);
+  Tensor poison = Tensor::empty({in.T + kExtraRows, v.heads, s.topk}, DType::kInt32);
+  poison.fill_bytes(kTopkPoison);
+  add_row(c, "topk_out[T:] untouched", got.view().narrowed(0, in.T, kExtraRows),
+          poison.view().narrowed(0, in.T, kExtraRows), DType::kInt32, 0);
+}
+
+const IndexerSelection kM3{16, 0, 1};       // MiniMax-M3: top 16, the local block forced
+const IndexerSelection kInit2Local2{8, 2, 2};
+
+}  // namespace
+
+void check_indexer_prefill(CheckContext& c) {
+  // Requests: a full prefill, a chunked prefill (seq_len > query length: 2300 tokens of context),
+  // one just past a block edge, and one without query tokens (none of its rows may be read).
+  check_indexer_variant(c, {false, 4, kM3, 0, {300, 2400, 130, 700}, {300, 100, 130, 0}});
+  check_indexer_variant(c, {true, 4, kM3, 0, {2200, 129, 256}, {90, 129, 200}});
+  check_indexer_variant(c, {true, 2, kInit2Local2, 0, {1500, 0, 400}, {150, 0, 400}});
+}
+
+void check_indexer_decode(CheckContext& c) {
+  // seq_len 0 pads (all -1); 100 < 128; 20 < dql for dql 32 (leading rows -1).
+  const std::vector<int> lens = {0, 100, 3000, 1500, 129};
+  check_indexer_variant(c, {false, 4, kM3, 1, lens, {}});
+  check_indexer_variant(c, {true, 4, kM3, 8, lens, {}});
+  check_indexer_variant(c, {false, 4, kInit2Local2, 32, {2100, 0, 20, 1400}, {}});
+  check_indexer_variant(c, {true, 2, kInit2Local2, 8, {1300, 7, 0, 2600}, {}});
+}
+
+}  // namespace m3rt::detail

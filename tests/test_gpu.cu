@@ -347,15 +347,15 @@ struct IndexerGraphCase {
   }
 };
 
-// (fp8, portable): the portable prefill kernel forced on Hopper too.
+// (fp8, portable): the portable kernels forced on Hopper too.
 class GpuIndexerGraph : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
 
 TEST_P(GpuIndexerGraph, ReplayAfterInPlaceChangesMatchesEagerAndReference) {
   REQUIRE_GPU();
   IndexerGraphCase c(std::get<0>(GetParam()));
   struct Portable {
-    explicit Portable(bool on) { indexer_force_portable_prefill(on); }
-    ~Portable() { indexer_force_portable_prefill(false); }
+    explicit Portable(bool on) { indexer_force_portable(on); }
+    ~Portable() { indexer_force_portable(false); }
   } portable(std::get<1>(GetParam()));
   LightningIndexer gpu(c.config(), Device::cuda());
   LightningIndexer cpu(c.config(), Device::cpu());

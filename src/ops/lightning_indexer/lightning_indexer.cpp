@@ -70,6 +70,9 @@ CallShape check_common(const IndexerConfig& cfg, Device dev, const TensorView& i
   if (s.num_tokens > 1 && topk_out.stride[0] < int64_t(H) * cfg.select.topk)
     throw_arg_error(kOp, "topk_out.strides", topk_out.stride_str(),
                     "rows must not overlap (row stride >= Hidx * topk)");
+  if (s.num_tokens > 1 && topk_out.stride[0] < int64_t(H) * cfg.select.topk)
+    throw_arg_error(kOp, "topk_out.strides", topk_out.stride_str(),
+                    "rows must not overlap (row stride >= Hidx * topk)");
   if ((topk_out.shape[2] > 1 && topk_out.stride[2] != 1) ||
       (H > 1 && topk_out.stride[1] != cfg.select.topk))
     throw_arg_error(kOp, "topk_out.strides", topk_out.stride_str(),
@@ -174,6 +177,9 @@ void LightningIndexer::prefill(const IndexerPrefillArgs& a, stream_t stream) {
   if (a.max_query_len < 0 || a.max_query_len > s.num_tokens)
     throw_arg_error(kOp, "max_query_len", str(a.max_query_len),
                     "must lie in [0, T = " + str(s.num_tokens) + "]");
+  if (s.num_seqs == 0 && s.num_tokens > 0)
+    throw_arg_error(kOp, "seq_lens.shape", a.seq_lens.shape_str(),
+                    "no requests for " + str(s.num_tokens) + " query tokens");
   if (s.num_seqs == 0 && s.num_tokens > 0)
     throw_arg_error(kOp, "seq_lens.shape", a.seq_lens.shape_str(),
                     "no requests for " + str(s.num_tokens) + " query tokens");

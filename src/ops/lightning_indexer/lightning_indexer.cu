@@ -144,62 +144,44 @@ __device__ __forceinline__ uint32_t score_key(float s) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// One warp selects one row: forced blocks [0, init) and [nb - local, nb), then the best `need` of
-// the candidates [init, nb - local). The threshold T (the need-th largest key) is found bit by bit
-// from the top: T keeps a bit when at least `need` keys are >= T with that bit set (each lane
-// counts its keys, one warp reduction per bit). Every key above T is taken, and of the keys equal
-// to T the lowest ids. Writes the selected ids in ascending order, then -1. Lane l holds the keys
-// of blocks l + 32 i: in registers for kIters > 0 (rows of up to 32 kIters blocks; every load
-// issued at once), re-read from memory for kIters == 0 (longer rows).
-template <int kIters>
-__device__ void warp_select_row(const float* scores, int nb, int topk, int init_blocks,
-                                int local_blocks, int32_t* out) {
+// Shared memory one warp uses to select a row.
+constexpr int kSelectMaxBlocks = 1024;  // rows up to 128K tokens; longer rows: warp_select_long_row
+constexpr int kMaxSurvivors = 64;
+struct SelectScratch {
+  uint32_t key[kSelectMaxBlocks];  // the row's candidate keys (0 elsewhere)
+  uint32_t surv_key[kMaxSurvivors];
+  int32_t surv_id[kMaxSurvivors];
+  uint32_t chosen[kSelectMaxBlocks / 32];  // bitmap of the chosen candidates
+};
+
+// Rows longer than kSelectMaxBlocks: the bit-by-bit threshold (below) with the keys re-read from
+// memory on every pass (slow, but such rows are rare and their scans dominate anyway).
+__device__ void warp_select_long_row(const float* scores, int nb, int topk, int init_blocks,
+                                     int local_blocks, int32_t* out) {
   const int lane = threadIdx.x % 32;
-  if (nb <= topk) {
-    for (int j = lane; j < topk; j += 32) out[j] = j < nb ? j : -1;
-    return;
-  }
-  const int lo = init_blocks, hi = nb - local_blocks;  // candidates; nb > topk >= init + local
-  const int need = topk - init_blocks - local_blocks;
-  const int iters = kIters > 0 ? kIters : (nb + 31) / 32;
-  auto is_candidate = [&](int i) { return lane + 32 * i >= lo && lane + 32 * i < hi; };
-  uint32_t reg_keys[kIters > 0 ? kIters : 1] = {};
-  if constexpr (kIters > 0) {
-#pragma unroll
-    for (int i = 0; i < kIters; ++i) reg_keys[i] = is_candidate(i) ? score_key(__ldcg(scores + lane + 32 * i)) : 0u;
-  }
-  // Key of slot i, or 0 (below every key that counts: NaN's key is 0 too, but a NaN candidate
-  // only matters once T reaches 0, where the lowest-id rule below picks among the zeros).
-  auto key_at = [&](int i) -> uint32_t {
-    if constexpr (kIters > 0) return reg_keys[i];
-    return is_candidate(i) ? score_key(__ldcg(scores + lane + 32 * i)) : 0u;
-  };
+  const int lo = init_blocks, hi = nb - local_blocks, need = topk - init_blocks - local_blocks;
   auto count_at_least = [&](uint32_t t) {
     unsigned n = 0;
-#pragma unroll
-    for (int i = 0; i < iters; ++i) n += (is_candidate(i) && key_at(i) >= t) ? 1u : 0u;
+    for (int j = lo + lane; j < hi; j += 32) n += score_key(__ldcg(scores + j)) >= t ? 1u : 0u;
     return int(__reduce_add_sync(kFullMask, n));
   };
   uint32_t threshold = 0;
+  int take_equal = 0;
   if (need > 0) {
-    for (int bit = 31; bit >= 0; --bit) {
-      const uint32_t t = threshold | (1u << bit);
-      if (count_at_least(t) >= need) threshold = t;
-    }
+    for (int bit = 31; bit >= 0; --bit)
+      if (count_at_least(threshold | (1u << bit)) >= need) threshold |= 1u << bit;
+    take_equal = need - (threshold == 0xffffffffu ? 0 : count_at_least(threshold + 1));
   }
-  // Keys above the threshold are all taken; of those equal to it, the lowest ids up to `need`.
-  const int take_equal = need > 0 ? need - (threshold == 0xffffffffu ? 0 : count_at_least(threshold + 1)) : 0;
   const unsigned lt = (1u << lane) - 1u;
   int written = 0, equal_seen = 0;
-#pragma unroll
-  for (int i = 0; i < iters; ++i) {
-    const int j = lane + 32 * i;
+  for (int base = 0; base < nb; base += 32) {
+    const int j = base + lane;
     bool sel = false, eq = false;
     if (j < nb) {
-      if (!is_candidate(i)) {
+      if (j < lo || j >= hi) {
         sel = true;
       } else if (need > 0) {
-        const uint32_t key = key_at(i);
+        const uint32_t key = score_key(__ldcg(scores + j));
         sel = key > threshold;
         eq = key == threshold;
       }
@@ -214,46 +196,135 @@ __device__ void warp_select_row(const float* scores, int nb, int topk, int init_
   for (int j = written + lane; j < topk; j += 32) out[j] = -1;
 }
 
-// The row's selection with its keys in registers when it has at most 1024 blocks (128K tokens).
+// One warp selects one row: forced blocks [0, init) and [nb - local, nb), then the best `need` of
+// the candidates [init, nb - local), ranked by key (ties: the lower id). Writes the selected ids in
+// ascending order, then -1. The keys are staged in shared memory and every loop is rolled: the
+// decode kernel runs this once per request on a cold SM, where unrolled code would spend its time
+// fetching instructions.
+//   1. T1 = the need-th largest of the lanes' maxima (0, no filter, when need > 32): at least
+//      `need` keys are >= T1, so every selected key is >= T1.
+//   2. The candidates >= T1 (few, for any but adversarial rows) are compacted; each is chosen when
+//      fewer than `need` of them rank above it.
+//   3. When more than kMaxSurvivors pass the filter: the threshold T bit by bit from the top (T
+//      keeps a bit when at least `need` keys are >= T with it; one warp reduction per bit); keys
+//      above T are chosen, and of those equal to T the lowest ids.
 __device__ void select_row(const float* scores, int nb, int topk, int init_blocks, int local_blocks,
-                           int32_t* out) {
-  if (nb <= 256)
-    warp_select_row<8>(scores, nb, topk, init_blocks, local_blocks, out);
-  else if (nb <= 1024)
-    warp_select_row<32>(scores, nb, topk, init_blocks, local_blocks, out);
-  else
-    warp_select_row<0>(scores, nb, topk, init_blocks, local_blocks, out);
+                           int32_t* out, SelectScratch& sc) {
+  const int lane = threadIdx.x % 32;
+  if (nb <= topk) {
+    for (int j = lane; j < topk; j += 32) out[j] = j < nb ? j : -1;
+    return;
+  }
+  if (nb > kSelectMaxBlocks) return warp_select_long_row(scores, nb, topk, init_blocks, local_blocks, out);
+  const int lo = init_blocks, hi = nb - local_blocks;  // candidates; nb > topk >= init + local
+  const int need = topk - init_blocks - local_blocks;
+  const unsigned lt = (1u << lane) - 1u;
+  // Lane maxima over candidates; a lane without candidates counts as 0 (as a NaN key would): T1 > 0
+  // then still has `need` real keys at or above it.
+  uint32_t lane_max = 0;
+#pragma unroll 8
+  for (int j = lane; j < nb; j += 32) {
+    const bool cand = j >= lo && j < hi;
+    const uint32_t key = cand ? score_key(__ldcg(scores + j)) : 0u;
+    sc.key[j] = key;
+    lane_max = max(lane_max, key);
+  }
+  sc.chosen[lane] = 0;
+  __syncwarp();
+  if (need > 0) {
+    // 1. The need-th largest lane maximum (ties: the lower lane first).
+    int rank = 0;
+#pragma unroll
+    for (int l = 0; l < 32; ++l) {
+      const uint32_t v = __shfl_sync(kFullMask, lane_max, l);
+      rank += (v > lane_max || (v == lane_max && l < lane)) ? 1 : 0;
+    }
+    const unsigned at = __ballot_sync(kFullMask, rank == need - 1);  // one lane, if need <= 32
+    const uint32_t t1 = __shfl_sync(kFullMask, lane_max, at ? __ffs(at) - 1 : 0) * (at ? 1u : 0u);
+    // 2. Compact the survivors.
+    int survivors = 0;
+#pragma unroll 4
+    for (int base = lo - lo % 32; base < hi; base += 32) {
+      const int j = base + lane;
+      const bool s = j >= lo && j < hi && sc.key[j] >= t1;
+      const unsigned ballot = __ballot_sync(kFullMask, s);
+      const int idx = survivors + __popc(ballot & lt);
+      if (s && idx < kMaxSurvivors) {
+        sc.surv_key[idx] = sc.key[j];
+        sc.surv_id[idx] = j;
+      }
+      survivors += __popc(ballot);
+    }
+    __syncwarp();
+    if (survivors <= kMaxSurvivors) {
+      for (int q = lane; q < survivors; q += 32) {
+        const uint32_t kq = sc.surv_key[q];
+        const int iq = sc.surv_id[q];
+        int above = 0;
+#pragma unroll 8
+        for (int e = 0; e < survivors; ++e) {
+          const uint32_t ke = sc.surv_key[e];
+          above += (ke > kq || (ke == kq && sc.surv_id[e] < iq)) ? 1 : 0;
+        }
+        if (above < need) atomicOr(&sc.chosen[iq / 32], 1u << (iq % 32));
+      }
+    } else {
+      // 3. Bit by bit.
+      auto count_at_least = [&](uint32_t t) {
+        unsigned n = 0;
+        for (int j = lo + lane; j < hi; j += 32) n += sc.key[j] >= t ? 1u : 0u;
+        return int(__reduce_add_sync(kFullMask, n));
+      };
+      uint32_t threshold = 0;
+      for (int bit = 31; bit >= 0; --bit)
+        if (count_at_least(threshold | (1u << bit)) >= need) threshold |= 1u << bit;
+      const int take_equal = need - (threshold == 0xffffffffu ? 0 : count_at_least(threshold + 1));
+      int equal_seen = 0;
+      for (int base = lo - lo % 32; base < hi; base += 32) {
+        const int j = base + lane;
+        const bool cand = j >= lo && j < hi;
+        const uint32_t key = cand ? sc.key[j] : 0u;
+        const bool eq = cand && key == threshold;
+        const unsigned eq_ballot = __ballot_sync(kFullMask, eq);
+        if ((cand && key > threshold) || (eq && equal_seen + __popc(eq_ballot & lt) < take_equal))
+          atomicOr(&sc.chosen[j / 32], 1u << (j % 32));
+        equal_seen += __popc(eq_ballot);
+      }
+    }
+    __syncwarp();
+  }
+  // Forced and chosen blocks, in ascending id order.
+  int written = 0;
+  for (int base = 0; base < nb; base += 32) {
+    const int j = base + lane;
+    const bool sel = j < nb && (j < lo || j >= hi || ((sc.chosen[base / 32] >> lane) & 1u));
+    const unsigned sel_ballot = __ballot_sync(kFullMask, sel);
+    if (sel) out[written + __popc(sel_ballot & lt)] = j;
+    written += __popc(sel_ballot);
+  }
+  for (int j = written + lane; j < topk; j += 32) out[j] = -1;
+  __syncwarp();  // the scratch is free for the warp's next row
 }
 
 // ------------------------------------------------------------------------------------------------
-// Decode.
+// Decode. Two kernels share the pieces below: the portable one (every GPU) where each warp streams
+// its own pages from global memory into registers, and the Hopper one where whole pages stream into
+// shared memory by bulk copy (cp.async.bulk + mbarrier, three pages in flight per CTA).
 constexpr int kDecodeWarps = 4;
 constexpr int kDecodeThreads = kDecodeWarps * 32;
 constexpr int kDecodeMinBlocks = 4;
 constexpr int kDecodeRows = 128;  // query rows (dql x Hidx) per CTA; more go to further row groups
 constexpr int kDecodeNTiles = kDecodeRows / 8;
 
+// The query rows [row0, row0 + rows) of request b as B fragments in shared memory,
+// q_frag[(nt * 8 + s) * 32 + lane] for n-tile nt and k-step s.
 template <bool kFp8>
-__global__ void __launch_bounds__(kDecodeThreads, kDecodeMinBlocks)
-    indexer_decode_kernel(const __grid_constant__ IndexerParams p, int num_splits, int row_groups) {
-  __shared__ uint2 q_frag[kDecodeNTiles][8][32];             // [n-tile][k-step][lane]: 32 KB
-  __shared__ float page_max[kDecodeWarps][kDecodeRows];      // a warp's page: max per query row
-  __shared__ bool last_arrival;
+__device__ void decode_fill_q_frags(const IndexerParams& p, int b, int row0, int rows, uint2* q_frag) {
   constexpr int kElemBytes = kFp8 ? 1 : 2;
-  const int b = blockIdx.y, split = blockIdx.x, group = blockIdx.z;
-  const int H = p.num_heads, dql = p.decode_query_len;
-  const int rows_total = dql * H;
-  const int row0 = group * kDecodeRows;
-  const int rows = min(kDecodeRows, rows_total - row0);
-  Request req;
-  if (!load_request(p, b, req)) return;  // uniform over the request's CTAs: no arrival either
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int n_tiles = (rows + 7) / 8;
+  const int rows_total = p.decode_query_len * p.num_heads;
   const char* q_base = static_cast<const char*>(p.index_q);
-  const char* cache = static_cast<const char*>(p.index_cache);
-
-  // Query fragments of this row group, in shared memory in [n-tile][k-step][lane] order.
-  for (int nt = warp; nt < n_tiles; nt += kDecodeWarps) {
+  for (int nt = warp; nt < (rows + 7) / 8; nt += int(blockDim.x) / 32) {
     const int r = 8 * nt + g;
     uint32_t w[kWords] = {};
     if (r < rows) {
@@ -262,16 +333,114 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinBlocks)
       chunks_to_words<kFp8>(ch, w);
     }
 #pragma unroll
-    for (int s = 0; s < 8; ++s) q_frag[nt][s][lane] = make_uint2(w[2 * s], w[2 * s + 1]);
+    for (int s = 0; s < 8; ++s) q_frag[(nt * 8 + s) * 32 + lane] = make_uint2(w[2 * s], w[2 * s + 1]);
   }
-  __syncthreads();
+}
 
+// 32 keys (two m-tiles: kw[mt][hf] holds key key_pos0 + 16 mt + 8 hf + g) against every query row
+// of the group: each row's max over the keys it sees (NaN for keys past its position when
+// `masked`), combined into row_max[row] (lanes g == 0 write; `first`: overwrite instead).
+template <bool kFp8>
+__device__ __forceinline__ void decode_keys_max(const uint32_t (&kw)[2][2][kWords], const uint2* q_frag,
+                                                int n_tiles, int key_pos0, bool masked, int first_pos,
+                                                int row0, int H, float* row_max, bool first) {
+  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  for (int nt = 0; nt < n_tiles; ++nt) {
+    float acc[2][4] = {};
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      const uint2 bq = q_frag[(nt * 8 + s) * 32 + lane];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+        mma_16816<kFp8>(acc[mt], kw[mt][0][2 * s], kw[mt][1][2 * s], kw[mt][0][2 * s + 1],
+                        kw[mt][1][2 * s + 1], bq.x, bq.y);
+    }
+    // acc[mt]: {key g, row 2c}, {key g, row 2c+1}, {key g+8, row 2c}, {key g+8, row 2c+1}.
+    float m[2] = {kNaN(), kNaN()};
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int row_pos = first_pos + (row0 + 8 * nt + 2 * c + e) / H;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int key_pos = key_pos0 + mt * 16 + hf * 8 + g;
+          m[e] = fmaxf(m[e], (!masked || key_pos <= row_pos) ? acc[mt][2 * hf + e] : kNaN());
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+#pragma unroll
+      for (int x = 4; x < 32; x *= 2) m[e] = fmaxf(m[e], __shfl_xor_sync(kFullMask, m[e], x));
+    if (g == 0) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& slot = row_max[8 * nt + 2 * c + e];
+        slot = first ? m[e] : fmaxf(slot, m[e]);
+      }
+    }
+  }
+}
+
+// After a CTA's scores are stored: the last CTA of the request to arrive selects every row of the
+// request and resets its counter (ready for the next call or graph replay). `scratch`: one
+// SelectScratch per warp, in shared memory the CTA no longer needs.
+__device__ void decode_arrive_and_select(const IndexerParams& p, int b, const Request& req,
+                                         int arrivals, bool* last_arrival, SelectScratch* scratch) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) *last_arrival = atomicAdd(p.counters + b, 1) + 1 == arrivals;
+  __syncthreads();
+  if (!*last_arrival) return;
+  __threadfence();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int H = p.num_heads, dql = p.decode_query_len, rows_total = dql * H;
+  for (int row = warp; row < rows_total; row += int(blockDim.x) / 32) {
+    const int r = row / H, h = row % H;
+    const int64_t t = int64_t(b) * dql + r;
+    int32_t* out = p.topk_out + t * p.topk_stride_t + int64_t(h) * p.topk;
+    const int pos = req.seq_len - dql + r;
+    if (pos < 0) {  // a padded row (seq_len 0) or one before the sequence: nothing visible
+      for (int i = lane; i < p.topk; i += 32) out[i] = -1;
+      continue;
+    }
+    select_row(p.scores + (int64_t(b) * rows_total + row) * p.max_blocks, pos / kPage + 1, p.topk,
+               p.init_blocks, p.local_blocks, out, scratch[warp]);
+  }
+  if (threadIdx.x == 0) p.counters[b] = 0;
+}
+
+// Pages [begin, end) of this split: ceil(visible pages / splits) each, from the device-side length.
+__device__ __forceinline__ void split_pages(const Request& req, int num_splits, int split, int& begin, int& end) {
   const int nb_seq = (req.seq_len + kPage - 1) / kPage;
   const int per = (nb_seq + num_splits - 1) / num_splits;
-  const int j_end = min(nb_seq, (split + 1) * per);
-  const int first_pos = req.seq_len - dql;  // position of the request's row 0
+  begin = min(nb_seq, split * per);
+  end = min(nb_seq, begin + per);
+}
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kDecodeThreads, kDecodeMinBlocks)
+    indexer_decode_kernel(const __grid_constant__ IndexerParams p, int num_splits, int row_groups) {
+  __shared__ uint2 q_frag[kDecodeNTiles * 8 * 32];         // 32 KB
+  __shared__ float page_max[kDecodeWarps][kDecodeRows];   // a warp's page: max per query row
+  __shared__ bool last_arrival;
+  constexpr int kElemBytes = kFp8 ? 1 : 2;
+  const int b = blockIdx.y, group = blockIdx.z;
+  const int H = p.num_heads, rows_total = p.decode_query_len * H;
+  const int row0 = group * kDecodeRows, rows = min(kDecodeRows, rows_total - row0);
+  Request req;
+  if (!load_request(p, b, req)) return;  // uniform over the request's CTAs: no arrival either
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int n_tiles = (rows + 7) / 8;
+  decode_fill_q_frags<kFp8>(p, b, row0, rows, q_frag);
+  __syncthreads();
+  int j_begin, j_end;
+  split_pages(req, num_splits, blockIdx.x, j_begin, j_end);
+  const int first_pos = req.seq_len - p.decode_query_len;  // position of the request's row 0
   const int32_t* table = p.block_table + int64_t(b) * p.block_table_stride;
-  for (int j = split * per + warp; j < j_end; j += kDecodeWarps) {
+  const char* cache = static_cast<const char*>(p.index_cache);
+  // Each warp owns whole pages; the 128 keys of a page in 4 passes of 32.
+  for (int j = j_begin + warp; j < j_end; j += kDecodeWarps) {
     const int page = table[j];
     for (int r = lane; r < rows; r += 32) page_max[warp][r] = kNaN();
     __syncwarp();
@@ -279,7 +448,6 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinBlocks)
       const bool masked = j * kPage + kPage - 1 > first_pos;  // some key lies past some row
       const char* page_base = cache + int64_t(page) * kPage * 128 * kElemBytes;
       for (int sub = 0; sub < kPage / 32; ++sub) {
-        // Keys sub*32 + mt*16 + g (+8) as the A operand of two m-tiles.
         uint4 ch[2][2][FragChunks<kFp8>::kCount];
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
@@ -292,42 +460,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinBlocks)
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) chunks_to_words<kFp8>(ch[mt][hf], kw[mt][hf]);
-        for (int nt = 0; nt < n_tiles; ++nt) {
-          float acc[2][4] = {};
-#pragma unroll
-          for (int s = 0; s < 8; ++s) {
-            const uint2 bq = q_frag[nt][s][lane];
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-              mma_16816<kFp8>(acc[mt], kw[mt][0][2 * s], kw[mt][1][2 * s], kw[mt][0][2 * s + 1],
-                              kw[mt][1][2 * s + 1], bq.x, bq.y);
-          }
-          // acc[mt]: {key g, row 2c}, {key g, row 2c+1}, {key g+8, row 2c}, {key g+8, row 2c+1}.
-          float m[2] = {kNaN(), kNaN()};
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int row_pos = first_pos + (row0 + 8 * nt + 2 * c + e) / H;
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-              for (int hf = 0; hf < 2; ++hf) {
-                const int key_pos = j * kPage + sub * 32 + mt * 16 + hf * 8 + g;
-                const float v = acc[mt][2 * hf + e];
-                m[e] = fmaxf(m[e], (!masked || key_pos <= row_pos) ? v : kNaN());
-              }
-          }
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-#pragma unroll
-            for (int x = 4; x < 32; x *= 2) m[e] = fmaxf(m[e], __shfl_xor_sync(kFullMask, m[e], x));
-          if (g == 0) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              float& slot = page_max[warp][8 * nt + 2 * c + e];
-              slot = fmaxf(slot, m[e]);
-            }
-          }
-        }
+        decode_keys_max<kFp8>(kw, q_frag, n_tiles, j * kPage + sub * 32, masked, first_pos, row0, H,
+                              page_max[warp], false);
       }
     }
     __syncwarp();
@@ -335,30 +469,138 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinBlocks)
       p.scores[(int64_t(b) * rows_total + row0 + r) * p.max_blocks + j] = page_max[warp][r];
     __syncwarp();
   }
+  static_assert(sizeof(q_frag) >= kDecodeWarps * sizeof(SelectScratch), "selection scratch");
+  decode_arrive_and_select(p, b, req, num_splits * row_groups, &last_arrival,
+                           reinterpret_cast<SelectScratch*>(q_frag));  // the queries are done with
+}
 
-  // The last CTA of the request to arrive selects its rows.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int arrived = atomicAdd(p.counters + b, 1) + 1;
-    last_arrival = arrived == num_splits * row_groups;
-  }
-  __syncthreads();
-  if (!last_arrival) return;
-  __threadfence();
-  for (int row = warp; row < rows_total; row += kDecodeWarps) {
-    const int r = row / H, h = row % H;
-    const int64_t t = int64_t(b) * dql + r;
-    int32_t* out = p.topk_out + t * p.topk_stride_t + int64_t(h) * p.topk;
-    const int pos = first_pos + r;
-    if (pos < 0) {  // a padded row (seq_len 0) or one before the sequence: nothing visible
-      for (int i = lane; i < p.topk; i += 32) out[i] = -1;
-      continue;
+// ---- Hopper decode: pages by bulk copy into shared memory.
+constexpr int kDecodeStages = 3;
+
+[[maybe_unused]] __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+[[maybe_unused]] __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+[[maybe_unused]] __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+[[maybe_unused]] __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+[[maybe_unused]] __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
+[[maybe_unused]] __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// Global -> shared bulk copy (16-byte aligned, size a multiple of 16), completing on `bar`.
+[[maybe_unused]] __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes,
+                                                                     uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+
+template <bool kFp8>
+__host__ __device__ constexpr int decode_sm90_page_bytes() {
+  return kPage * 128 * (kFp8 ? 1 : 2);
+}
+
+// Dynamic shared memory: kDecodeStages pages, then the query fragments (2 KB per n-tile).
+template <bool kFp8>
+__global__ void __launch_bounds__(kDecodeThreads)
+    indexer_decode_sm90_kernel(const __grid_constant__ IndexerParams p, int num_splits, int row_groups) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(128) uint8_t dsmem[];
+  __shared__ uint64_t full[kDecodeStages];
+  __shared__ bool page_ok[kDecodeStages];
+  __shared__ float part_max[2][kDecodeWarps][kDecodeRows];  // per page (double-buffered): per warp
+  __shared__ bool last_arrival;
+  constexpr int kPageBytes = decode_sm90_page_bytes<kFp8>();
+  constexpr int kRowBytes = 128 * (kFp8 ? 1 : 2);
+  uint2* q_frag = reinterpret_cast<uint2*>(dsmem + kDecodeStages * kPageBytes);
+  const int b = blockIdx.y, group = blockIdx.z;
+  const int H = p.num_heads, rows_total = p.decode_query_len * H;
+  const int row0 = group * kDecodeRows, rows = min(kDecodeRows, rows_total - row0);
+  Request req;
+  if (!load_request(p, b, req)) return;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+  const int n_tiles = (rows + 7) / 8;
+  int j_begin, j_end;
+  split_pages(req, num_splits, blockIdx.x, j_begin, j_end);
+  const int n_pages = j_end - j_begin;
+  const int32_t* table = p.block_table + int64_t(b) * p.block_table_stride;
+  const char* cache = static_cast<const char*>(p.index_cache);
+  auto issue = [&](int i) {  // thread 0: page j_begin + i into stage i % kDecodeStages
+    const int stage = i % kDecodeStages;
+    const int page = table[j_begin + i];
+    const bool ok = page >= 0 && page < p.num_cache_blocks;
+    page_ok[stage] = ok;
+    if (ok) {
+      mbar_arrive_expect_tx(&full[stage], kPageBytes);
+      bulk_copy_to_shared(dsmem + stage * kPageBytes, cache + int64_t(page) * kPageBytes, kPageBytes, &full[stage]);
+    } else {
+      mbar_arrive(&full[stage]);  // nothing to copy: the page scores NaN
     }
-    select_row(p.scores + (int64_t(b) * rows_total + row) * p.max_blocks, pos / kPage + 1, p.topk,
-                    p.init_blocks, p.local_blocks, out);
+  };
+  if (tid == 0) {
+    for (int s = 0; s < kDecodeStages; ++s) mbar_init(&full[s], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the copy engine
+    for (int i = 0; i < min(kDecodeStages, n_pages); ++i) issue(i);
   }
-  if (threadIdx.x == 0) p.counters[b] = 0;  // ready for the next call (or graph replay)
+  decode_fill_q_frags<kFp8>(p, b, row0, rows, q_frag);
+  __syncthreads();
+  const int first_pos = req.seq_len - p.decode_query_len;
+  for (int i = 0; i < n_pages; ++i) {
+    const int j = j_begin + i, stage = i % kDecodeStages;
+    mbar_wait(&full[stage], uint32_t(i / kDecodeStages) & 1u);
+    float* my_max = part_max[i % 2][warp];
+    if (page_ok[stage]) {  // block-uniform
+      // This warp's 32 keys (32 warp .. 32 warp + 31) as two m-tiles, from shared memory.
+      const uint8_t* page = dsmem + stage * kPageBytes;
+      uint32_t kw[2][2][kWords];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const uint4* row = reinterpret_cast<const uint4*>(page + (warp * 32 + mt * 16 + hf * 8 + g) * kRowBytes);
+          uint4 ch[FragChunks<kFp8>::kCount];
+#pragma unroll
+          for (int k = 0; k < FragChunks<kFp8>::kCount; ++k) ch[k] = row[4 * k + c];
+          chunks_to_words<kFp8>(ch, kw[mt][hf]);
+        }
+      const bool masked = j * kPage + kPage - 1 > first_pos;
+      decode_keys_max<kFp8>(kw, q_frag, n_tiles, j * kPage + warp * 32, masked, first_pos, row0, H, my_max, true);
+    } else {
+      for (int r = lane; r < rows; r += 32) my_max[r] = kNaN();
+    }
+    __syncthreads();  // every warp's maxima are in; every warp is done reading the stage
+    if (tid == 0 && i + kDecodeStages < n_pages) {
+      fence_proxy_async();  // the stage's generic reads, ordered before the copy engine refills it
+      issue(i + kDecodeStages);
+    }
+    for (int r = tid; r < rows; r += kDecodeThreads) {
+      float v = part_max[i % 2][0][r];
+#pragma unroll
+      for (int w = 1; w < kDecodeWarps; ++w) v = fmaxf(v, part_max[i % 2][w][r]);
+      p.scores[(int64_t(b) * rows_total + row0 + r) * p.max_blocks + j] = v;
+    }
+  }
+  static_assert(kDecodeStages * decode_sm90_page_bytes<true>() >= kDecodeWarps * sizeof(SelectScratch),
+                "selection scratch");
+  decode_arrive_and_select(p, b, req, num_splits * row_groups, &last_arrival,
+                           reinterpret_cast<SelectScratch*>(dsmem));  // every page has been consumed
+#endif
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -387,8 +629,9 @@ __global__ void __launch_bounds__(kPrefillThreads, 2)
   constexpr int kElemBytes = kFp8 ? 1 : 2;
   const int b = blockIdx.y;
   // blockIdx.x = (query tile, chunk of kPrefillChunkPages pages): a page's scores need no other
-  // page, so long causal rows split into equal CTAs and the grid stays balanced.
-  const int chunk = int(blockIdx.x) % chunks, tile = int(blockIdx.x) / chunks;
+  // page, so long causal rows split into equal CTAs and the grid stays balanced. The last query
+  // tiles (the most pages) come first, so the short tiles fill the tail of the grid.
+  const int chunk = int(blockIdx.x) % chunks, tile = int(gridDim.x) / chunks - 1 - int(blockIdx.x) / chunks;
   Request req;
   if (!load_request(p, b, req)) return;
   const int t_begin = tile * tokens_per_tile;
@@ -518,7 +761,9 @@ constexpr int kSm90Threads = kSm90WarpGroups * 128;
 constexpr int kSm90Rows = kSm90WarpGroups * 64;
 constexpr int kSm90Stages = 3;
 constexpr int kSm90MinBlocks = 2;  // two CTAs per SM: one's epilogue overlaps the other's MMAs
-constexpr int kSm90ChunkPages = 16;
+// Pages per CTA: 16 amortize the CTA's query load and pipeline fill; tables of fewer than 128
+// pages (short prefills) use 8, so the causal grid splits into more, better-balanced CTAs.
+__host__ __device__ constexpr int sm90_chunk_pages(int max_blocks) { return max_blocks >= 128 ? 16 : 8; }
 constexpr int kMmaPageBytes = kPage * 128 * 2;  // a page as the MMA reads it (bf16 or f16)
 
 template <bool kFp8>
@@ -540,7 +785,6 @@ __host__ __device__ constexpr int sm90_smem_bytes() {
 [[maybe_unused]] __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 [[maybe_unused]] __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 [[maybe_unused]] __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-[[maybe_unused]] __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 #define M3RT_WGMMA_M64N128K16(TYPE) \
   asm volatile( \
@@ -579,7 +823,8 @@ __global__ void __launch_bounds__(kSm90Threads, kSm90MinBlocks)
   uint8_t* smem = smem_raw + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023)) & 1023);
   uint8_t* mma_page = smem + kSm90Stages * kRawPageBytes;  // e4m3: the page converted to f16
   const int b = blockIdx.y;
-  const int chunk = int(blockIdx.x) % chunks, tile = int(blockIdx.x) / chunks;
+  // The last query tiles (the most pages) first, so the short tiles fill the tail of the grid.
+  const int chunk = int(blockIdx.x) % chunks, tile = int(gridDim.x) / chunks - 1 - int(blockIdx.x) / chunks;
   Request req;
   if (!load_request(p, b, req)) return;
   const int t_begin = tile * tokens_per_tile;
@@ -588,8 +833,9 @@ __global__ void __launch_bounds__(kSm90Threads, kSm90MinBlocks)
   const int H = p.num_heads;
   const int ctx = req.seq_len - req.q_len;
   const int lowest_pos = ctx + t_begin;
-  const int j_begin = chunk * kSm90ChunkPages;
-  const int j_end = min((ctx + t_end - 1) / kPage + 1, j_begin + kSm90ChunkPages);
+  const int chunk_pages = sm90_chunk_pages(p.max_blocks);
+  const int j_begin = chunk * chunk_pages;
+  const int j_end = min((ctx + t_end - 1) / kPage + 1, j_begin + chunk_pages);
   if (j_begin >= j_end) return;
   const int tid = threadIdx.x, lane = tid % 32, g = lane / 4, c = lane % 4;
   const int row_base = (tid / 128) * 64 + ((tid / 32) % 4) * 16;  // this warp's 16 rows
@@ -718,6 +964,7 @@ constexpr int kSelectWarps = 8;
 
 __global__ void __launch_bounds__(kSelectWarps * 32)
     indexer_prefill_select_kernel(const __grid_constant__ IndexerParams p) {
+  __shared__ SelectScratch scratch[kSelectWarps];
   const int warp = threadIdx.x / 32;
   const int64_t row = int64_t(blockIdx.x) * kSelectWarps + warp;
   const int H = p.num_heads;
@@ -734,10 +981,10 @@ __global__ void __launch_bounds__(kSelectWarps * 32)
   if (!load_request(p, lo, req) || t < req.q_begin || t >= req.q_begin + req.q_len) return;
   const int pos = req.seq_len - req.q_len + int(t - req.q_begin);
   select_row(p.scores + (t * H + h) * p.max_blocks, pos / kPage + 1, p.topk, p.init_blocks,
-                  p.local_blocks, p.topk_out + t * p.topk_stride_t + int64_t(h) * p.topk);
+             p.local_blocks, p.topk_out + t * p.topk_stride_t + int64_t(h) * p.topk, scratch[warp]);
 }
 
-bool g_force_portable_prefill = false;
+bool g_force_portable = false;
 
 bool device_is_sm90() {
   int dev = 0, major = 0;
@@ -749,7 +996,7 @@ bool device_is_sm90() {
 template <bool kFp8>
 void launch_prefill_score(const IndexerParams& p, cudaStream_t stream) {
   // Hopper: the wgmma kernel; other GPUs: the portable mma.sync kernel.
-  const bool sm90 = !g_force_portable_prefill && device_is_sm90();
+  const bool sm90 = !g_force_portable && device_is_sm90();
   static bool configured[2] = {false, false};  // the smem opt-ins, once per process
   if (!configured[sm90]) {
     if (sm90)
@@ -761,7 +1008,7 @@ void launch_prefill_score(const IndexerParams& p, cudaStream_t stream) {
     configured[sm90] = true;
   }
   const int rows = sm90 ? kSm90Rows : kPrefillRows;
-  const int chunk_pages = sm90 ? kSm90ChunkPages : kPrefillChunkPages;
+  const int chunk_pages = sm90 ? sm90_chunk_pages(p.max_blocks) : kPrefillChunkPages;
   const int tokens_per_tile = rows / p.num_heads;
   const int64_t tiles = (p.max_query_len + tokens_per_tile - 1) / tokens_per_tile;
   const int chunks = (p.max_blocks + chunk_pages - 1) / chunk_pages;
@@ -786,7 +1033,7 @@ void require_grid_y(const IndexerParams& p) {
 
 }  // namespace
 
-void indexer_force_portable_prefill(bool on) { g_force_portable_prefill = on; }
+void indexer_force_portable(bool on) { g_force_portable = on; }
 
 void indexer_prefill_score_launch(const IndexerParams& p, CUstream_st* stream) {
   require_grid_y(p);
@@ -813,17 +1060,44 @@ void indexer_decode_launch(const IndexerParams& p, CUstream_st* stream) {
   require_grid_y(p);
   const int rows = p.decode_query_len * p.num_heads;
   const int groups = (rows + kDecodeRows - 1) / kDecodeRows;
-  // One wave of CTAs over the batch, each CTA at least 4 pages (one per warp) of the widest table.
-  const int resident = detail::multiprocessor_count() * kDecodeMinBlocks;
+  const int n_tiles = (std::min(rows, kDecodeRows) + 7) / 8;
+  const bool sm90 = !g_force_portable && device_is_sm90();
+  // Hopper: three pages per CTA in flight through shared memory; CTAs per SM as the shared memory
+  // allows. Portable: four CTAs per SM, a warp per page.
+  const int smem = sm90 ? kDecodeStages * (p.fp8 ? decode_sm90_page_bytes<true>() : decode_sm90_page_bytes<false>()) +
+                              n_tiles * 8 * 32 * int(sizeof(uint2))
+                        : 0;
+  int per_sm = kDecodeMinBlocks;
+  if (sm90) {
+    auto kernel = p.fp8 ? indexer_decode_sm90_kernel<true> : indexer_decode_sm90_kernel<false>;
+    static bool configured[2] = {false, false};
+    if (!configured[p.fp8]) {
+      M3RT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           kDecodeStages * decode_sm90_page_bytes<false>() + kDecodeNTiles * 8 * 32 * 8));
+      configured[p.fp8] = true;
+    }
+    M3RT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kDecodeThreads, smem));
+    per_sm = std::max(per_sm, 1);
+  }
+  // One wave of CTAs over the batch; each CTA at least 4 pages of the widest table.
+  const int resident = detail::multiprocessor_count() * per_sm;
   const int by_wave = std::max(1, resident / std::max(1, p.num_seqs * groups));
-  const int by_pages = std::max(1, (p.max_blocks + kDecodeWarps - 1) / kDecodeWarps);
+  const int by_pages = std::max(1, (p.max_blocks + 3) / 4);
   const int splits = std::min(by_wave, by_pages);
   const dim3 grid(unsigned(splits), unsigned(p.num_seqs), unsigned(groups));
-  if (p.fp8)
-    indexer_decode_kernel<true><<<grid, kDecodeThreads, 0, stream>>>(p, splits, groups);
-  else
-    indexer_decode_kernel<false><<<grid, kDecodeThreads, 0, stream>>>(p, splits, groups);
-  M3RT_LAUNCH_CHECK(stream, "indexer_decode_kernel");
+  if (sm90) {
+    if (p.fp8)
+      indexer_decode_sm90_kernel<true><<<grid, kDecodeThreads, smem, stream>>>(p, splits, groups);
+    else
+      indexer_decode_sm90_kernel<false><<<grid, kDecodeThreads, smem, stream>>>(p, splits, groups);
+    M3RT_LAUNCH_CHECK(stream, "indexer_decode_sm90_kernel");
+  } else {
+    if (p.fp8)
+      indexer_decode_kernel<true><<<grid, kDecodeThreads, 0, stream>>>(p, splits, groups);
+    else
+      indexer_decode_kernel<false><<<grid, kDecodeThreads, 0, stream>>>(p, splits, groups);
+    M3RT_LAUNCH_CHECK(stream, "indexer_decode_kernel");
+  }
 }
 
 }  // namespace m3rt

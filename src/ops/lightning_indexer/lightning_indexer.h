@@ -59,8 +59,9 @@ void indexer_prefill_launch(const IndexerParams& p, CUstream_st* stream);
 void indexer_prefill_score_launch(const IndexerParams& p, CUstream_st* stream);
 void indexer_prefill_select_launch(const IndexerParams& p, CUstream_st* stream);
 void indexer_decode_launch(const IndexerParams& p, CUstream_st* stream);
-// Tests and benchmarks: score prefill with the portable mma.sync kernel even on Hopper, where the
-// wgmma kernel is the default (process-wide; not thread-safe).
-void indexer_force_portable_prefill(bool on);
+// Tests and benchmarks: run the portable kernels (decode: pages through registers; prefill scoring:
+// mma.sync) even on Hopper, where the sm_90a kernels are the default (process-wide; not
+// thread-safe).
+void indexer_force_portable(bool on);
 
 }  // namespace m3rt

@@ -18,21 +18,17 @@ double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
 }
-}  // namespace
 
-double measure_copy_ceiling_gbps() {
-  const size_t bytes = size_t(2) << 30;  // 2 GiB each way, far beyond L2
-  void *a = nullptr, *b = nullptr;
-  M3RT_CUDA_CHECK(cudaMalloc(&a, bytes));
-  M3RT_CUDA_CHECK(cudaMalloc(&b, bytes));
-  M3RT_CUDA_CHECK(cudaMemset(a, 0x3c, bytes));  // not zeros
+// Median microseconds of `op(i)` (the i-th run) on the legacy stream over 10 timed runs after 2
+// warm-ups, each timed alone with events (for the ceilings: one large operation per run).
+double median_single_us(const std::function<void(int)>& op) {
   cudaEvent_t e0, e1;
   M3RT_CUDA_CHECK(cudaEventCreate(&e0));
   M3RT_CUDA_CHECK(cudaEventCreate(&e1));
   std::vector<double> us;
   for (int i = 0; i < 12; ++i) {
     M3RT_CUDA_CHECK(cudaEventRecord(e0));
-    M3RT_CUDA_CHECK(cudaMemcpyAsync(i % 2 ? a : b, i % 2 ? b : a, bytes, cudaMemcpyDeviceToDevice));
+    op(i);
     M3RT_CUDA_CHECK(cudaEventRecord(e1));
     M3RT_CUDA_CHECK(cudaEventSynchronize(e1));
     float ms = 0;
@@ -41,9 +37,22 @@ double measure_copy_ceiling_gbps() {
   }
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
+  return median(us);
+}
+}  // namespace
+
+double measure_copy_ceiling_gbps() {
+  const size_t bytes = size_t(2) << 30;  // 2 GiB each way, far beyond L2
+  void *a = nullptr, *b = nullptr;
+  M3RT_CUDA_CHECK(cudaMalloc(&a, bytes));
+  M3RT_CUDA_CHECK(cudaMalloc(&b, bytes));
+  M3RT_CUDA_CHECK(cudaMemset(a, 0x3c, bytes));  // not zeros
+  const double us = median_single_us([&](int i) {
+    M3RT_CUDA_CHECK(cudaMemcpyAsync(i % 2 ? a : b, i % 2 ? b : a, bytes, cudaMemcpyDeviceToDevice));
+  });
   cudaFree(a);
   cudaFree(b);
-  return 2.0 * double(bytes) / (median(us) * 1e3);  // bytes per us / 1e3 = GB/s
+  return 2.0 * double(bytes) / (us * 1e3);  // bytes per us / 1e3 = GB/s
 }
 
 double measure_gemm_tflops() {
@@ -58,32 +67,16 @@ double measure_gemm_tflops() {
   cublasHandle_t h;
   if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) throw Error("bench: cublasCreate failed");
   const float one = 1.f, zero = 0.f;
-  auto gemm = [&](cudaStream_t s) {
-    cublasSetStream(h, s);
+  const double us = median_single_us([&](int) {
     if (cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a, CUDA_R_16BF, n, b, CUDA_R_16BF, n,
                      &zero, c, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
       throw Error("bench: cublasGemmEx failed");
-  };
-  cudaEvent_t e0, e1;
-  M3RT_CUDA_CHECK(cudaEventCreate(&e0));
-  M3RT_CUDA_CHECK(cudaEventCreate(&e1));
-  std::vector<double> us;
-  for (int i = 0; i < 12; ++i) {
-    M3RT_CUDA_CHECK(cudaEventRecord(e0));
-    gemm(nullptr);
-    M3RT_CUDA_CHECK(cudaEventRecord(e1));
-    M3RT_CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    M3RT_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    if (i >= 2) us.push_back(ms * 1e3);
-  }
+  });
   cublasDestroy(h);
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
   cudaFree(a);
   cudaFree(b);
   cudaFree(c);
-  return 2.0 * double(n) * n * n / (median(us) * 1e6);
+  return 2.0 * double(n) * n * n / (us * 1e6);
 }
 
 double time_us(const std::function<void(int, CUstream_st*)>& call, int num_sets, bool graph,

@@ -32,7 +32,7 @@ if [ -n "$SAN" ]; then
   for tool in memcheck racecheck initcheck synccheck; do
     step "sanitizer-$tool" sanitizer.log "$SAN" --tool "$tool" --error-exitcode 9 "$BUILD_DIR/m3rt" check --device cuda
   done
-  step sanitizer-graph sanitizer.log "$SAN" --tool memcheck --error-exitcode 9 "$BUILD_DIR/tests/test_gpu" --gtest_filter='*GpuGraph*'
+  step sanitizer-graph sanitizer.log "$SAN" --tool memcheck --error-exitcode 9 "$BUILD_DIR/tests/test_gpu" --gtest_filter='*Graph*'
 else
   NAMES+=("sanitizer"); RESULTS+=("NOT RUN (compute-sanitizer not found)")
 fi

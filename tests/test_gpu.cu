@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <tuple>
@@ -23,6 +24,7 @@
 #include "m3rt/m3rt.h"
 #include "ops/common/head_math.cuh"
 #include "ops/lightning_indexer/indexer_compare.h"
+#include "ops/lightning_indexer/lightning_indexer.h"
 
 namespace {
 
@@ -159,6 +161,25 @@ bool same_bytes(const Tensor& a, const Tensor& b) {
   return ha.nbytes() == hb.nbytes() && std::memcmp(ha.data(), hb.data(), size_t(ha.nbytes())) == 0;
 }
 
+// A graph captured from `run` on its own non-blocking stream (destroyed with the object).
+struct CapturedGraph {
+  cudaStream_t stream = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  explicit CapturedGraph(const std::function<void(cudaStream_t)>& run) {
+    EXPECT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    run(stream);
+    EXPECT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  }
+  ~CapturedGraph() {
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+  }
+};
+
 struct GraphCase {
   static constexpr int L = 5, nkv = 4, bs = 128, rot = 64, nq = 16;
   static constexpr int64_t n = 300, T = 40, max_pos = 8192, nb = 12;
@@ -228,15 +249,9 @@ TEST_P(GpuGraph, ReplayAfterInPlaceChangesMatchesEagerBitwise) {
   REQUIRE_GPU();
   GraphCase c(GetParam());
   DsparkContextKvWriter writer(c.layers);
-  cudaStream_t s;
-  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   c.refill();
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  c.run(writer, s);
-  CUDA_OK(cudaStreamEndCapture(s, &graph));
-  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  CapturedGraph g([&](cudaStream_t st) { c.run(writer, st); });
+  cudaStream_t s = g.stream;
   for (int round = 0; round < 3; ++round) {
     // Eager on fresh inputs ...
     c.refill();
@@ -248,16 +263,13 @@ TEST_P(GpuGraph, ReplayAfterInPlaceChangesMatchesEagerBitwise) {
     for (auto& cache : c.caches) cache.fill_bytes(0xFF);
     c.qk_cache.fill_bytes(0xFF);
     upload(c.qkv, qkv_in);
-    CUDA_OK(cudaGraphLaunch(exec, s));
+    CUDA_OK(cudaGraphLaunch(g.exec, s));
     CUDA_OK(cudaStreamSynchronize(s));
     const auto replay = c.snapshot();
     for (size_t i = 0; i < eager.size(); ++i)
       EXPECT_TRUE(same_bytes(eager[i], replay[i])) << "round " << round << " buffer " << i;
   }
   EXPECT_EQ(writer.table_builds(), 1);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(s);
 }
 
 INSTANTIATE_TEST_SUITE_P(CacheDtype, GpuGraph, ::testing::Values(false, true),
@@ -359,15 +371,9 @@ TEST_P(GpuIndexerGraph, ReplayAfterInPlaceChangesMatchesEagerAndReference) {
   } portable(std::get<1>(GetParam()));
   LightningIndexer gpu(c.config(), Device::cuda());
   LightningIndexer cpu(c.config(), Device::cpu());
-  cudaStream_t s;
-  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   c.refill();
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  c.run(gpu, s);
-  CUDA_OK(cudaStreamEndCapture(s, &graph));
-  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  CapturedGraph g([&](cudaStream_t st) { c.run(gpu, st); });
+  cudaStream_t s = g.stream;
   for (int round = 0; round < 4; ++round) {
     c.refill();
     c.run(gpu, s);
@@ -375,7 +381,7 @@ TEST_P(GpuIndexerGraph, ReplayAfterInPlaceChangesMatchesEagerAndReference) {
     const Tensor eager_d = c.dout.to(Device::cpu()), eager_p = c.pout.to(Device::cpu());
     c.dout.fill_bytes(0x7F);
     c.pout.fill_bytes(0x7F);
-    CUDA_OK(cudaGraphLaunch(exec, s));
+    CUDA_OK(cudaGraphLaunch(g.exec, s));
     CUDA_OK(cudaStreamSynchronize(s));
     EXPECT_TRUE(same_bytes(eager_d, c.dout)) << "decode, round " << round;
     EXPECT_TRUE(same_bytes(eager_p, c.pout)) << "prefill, round " << round;
@@ -388,24 +394,9 @@ TEST_P(GpuIndexerGraph, ReplayAfterInPlaceChangesMatchesEagerAndReference) {
                  ptab = c.ptable.to(Device::cpu());
     const Tensor got_d = c.dout.to(Device::cpu()), got_p = c.pout.to(Device::cpu());
     for (bool prefill : {false, true}) {
-      IndexerParams p{};
-      p.index_q = (prefill ? pq : dq).data();
-      p.index_cache = cache.data();
-      p.fp8 = c.fp8;
-      p.num_cache_blocks = c.pages;
-      p.block_table = (prefill ? ptab : dtab).ptr<const int32_t>();
-      p.block_table_stride = c.max_blocks;
-      p.max_blocks = c.max_blocks;
-      p.seq_lens = (prefill ? pseq : dseq).ptr<const int32_t>();
-      p.cu_seqlens_q = prefill ? pcu.ptr<const int32_t>() : nullptr;
-      p.num_seqs = prefill ? 2 : c.B;
-      p.num_tokens = prefill ? c.T : c.B * c.dql;
-      p.decode_query_len = prefill ? 0 : c.dql;
-      p.max_query_len = prefill ? int(c.T) : 0;
-      p.num_heads = c.H;
-      p.topk = cfg.select.topk;
-      p.init_blocks = cfg.select.init_blocks;
-      p.local_blocks = cfg.select.local_blocks;
+      const IndexerParams p =
+          prefill ? indexer_call_params(cfg, pq, cache, pseq, ptab, TensorView{}, pcu, 0, int(c.T))
+                  : indexer_call_params(cfg, dq, cache, dseq, dtab, TensorView{}, TensorView{}, c.dql, 0);
       const Tensor& got = prefill ? got_p : got_d;
       const auto r = detail::compare_indexer_topk(p, got.ptr<int32_t>(), int64_t(c.H) * c.topk,
                                                   detail::indexer_ref_row_scores(p), 1.0 / 4096);
@@ -413,9 +404,6 @@ TEST_P(GpuIndexerGraph, ReplayAfterInPlaceChangesMatchesEagerAndReference) {
                             << "\n" << r.first_failures;
     }
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(s);
 }
 
 INSTANTIATE_TEST_SUITE_P(IndexDtype, GpuIndexerGraph, ::testing::Combine(::testing::Bool(), ::testing::Bool()),

@@ -54,6 +54,18 @@ Tensor int32_on_gpu(const std::vector<int32_t>& v, std::vector<int64_t> shape) {
 
 constexpr int kHeads = 4, kTopk = 16;
 
+// M3's indexer (4 heads, topk 16, init 0, local 1) sized for one benchmark shape.
+IndexerConfig m3_config(bool fp8, int64_t max_prefill_tokens, int max_decode_seqs, int max_blocks) {
+  IndexerConfig cfg;
+  cfg.num_index_heads = kHeads;
+  cfg.select.topk = kTopk;
+  cfg.index_cache_dtype = fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;
+  cfg.max_prefill_tokens = max_prefill_tokens;
+  cfg.max_decode_seqs = max_decode_seqs;
+  cfg.max_blocks_per_seq = max_blocks;
+  return cfg;
+}
+
 }  // namespace
 
 std::vector<BenchRow> bench_lightning_indexer(BenchEnv& env) {
@@ -83,13 +95,7 @@ std::vector<BenchRow> bench_lightning_indexer(BenchEnv& env) {
         }
         Tensor seq_lens = int32_on_gpu(std::vector<int32_t>(size_t(B), ctx), {B});
         Tensor out = Tensor::empty({B, kHeads, kTopk}, DType::kInt32, Device::cuda());
-        IndexerConfig cfg;
-        cfg.num_index_heads = kHeads;
-        cfg.select.topk = kTopk;
-        cfg.index_cache_dtype = fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;
-        cfg.max_decode_seqs = B;
-        cfg.max_blocks_per_seq = pages;
-        LightningIndexer indexer(cfg, Device::cuda());
+        LightningIndexer indexer(m3_config(fp8, 0, B, pages), Device::cuda());
         auto call = [&](int s, CUstream_st* st) {
           IndexerDecodeArgs a{.index_q = qs[s], .index_cache = cache, .seq_lens = seq_lens,
                               .block_table = tables[s], .decode_query_len = 1, .topk_out = out};
@@ -127,37 +133,14 @@ std::vector<BenchRow> bench_lightning_indexer(BenchEnv& env) {
       Tensor cu = int32_on_gpu({0, L}, {2});
       Tensor seq_lens = int32_on_gpu({L}, {1});
       Tensor out = Tensor::empty({L, kHeads, kTopk}, DType::kInt32, Device::cuda());
-      IndexerConfig cfg;
-      cfg.num_index_heads = kHeads;
-      cfg.select.topk = kTopk;
-      cfg.index_cache_dtype = fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;
-      cfg.max_prefill_tokens = L;
-      cfg.max_blocks_per_seq = pages;
+      const IndexerConfig cfg = m3_config(fp8, L, 0, pages);
       LightningIndexer indexer(cfg, Device::cuda());
       const IndexerPrefillArgs a{.index_q = q, .index_cache = cache, .cu_seqlens_q = cu, .seq_lens = seq_lens,
                                  .block_table = table, .max_query_len = L, .topk_out = out};
       auto call = [&](int, CUstream_st* st) { indexer.prefill(a, st); };
       // The selection alone, on scores the scoring kernel left in a scratch of our own.
       Tensor scores = Tensor::empty({L, kHeads, pages}, DType::kFloat32, Device::cuda());
-      IndexerParams sp{};
-      sp.index_q = q.data();
-      sp.index_cache = cache.data();
-      sp.fp8 = fp8;
-      sp.num_cache_blocks = pages;
-      sp.block_table = table.ptr<const int32_t>();
-      sp.block_table_stride = pages;
-      sp.max_blocks = pages;
-      sp.seq_lens = seq_lens.ptr<const int32_t>();
-      sp.cu_seqlens_q = cu.ptr<const int32_t>();
-      sp.num_seqs = 1;
-      sp.num_tokens = L;
-      sp.max_query_len = L;
-      sp.num_heads = kHeads;
-      sp.topk = kTopk;
-      sp.init_blocks = 0;
-      sp.local_blocks = 1;
-      sp.topk_out = out.ptr<int32_t>();
-      sp.topk_stride_t = int64_t(kHeads) * kTopk;
+      IndexerParams sp = indexer_call_params(cfg, q, cache, seq_lens, table, out, cu, 0, L);
       sp.scores = scores.ptr<float>();
       indexer_prefill_score_launch(sp, nullptr);  // real scores for the selection to rank
       M3RT_CUDA_CHECK(cudaDeviceSynchronize());

@@ -110,76 +110,7 @@ IdxInputs make_inputs(Rng& rng, const IdxVariant& v) {
   return in;
 }
 
-IndexerParams host_params(const IdxVariant& v, const IdxInputs& in) {
-  IndexerParams p{};
-  p.index_q = in.q.data();
-  p.index_cache = in.cache.data();
-  p.fp8 = v.fp8;
-  p.num_cache_blocks = in.cache.view().shape[0];
-  p.block_table = in.table.ptr<const int32_t>();
-  p.block_table_stride = in.table.view().stride[0];
-  p.max_blocks = int(in.table.view().shape[1]);
-  p.seq_lens = in.seq_lens.ptr<const int32_t>();
-  p.cu_seqlens_q = v.dql ? nullptr : in.cu.ptr<const int32_t>();
-  p.num_seqs = int(v.seq_lens.size());
-  p.num_tokens = in.T;
-  p.decode_query_len = v.dql;
-  p.max_query_len = in.max_query_len;
-  p.num_heads = v.heads;
-  p.topk = v.sel.topk;
-  p.init_blocks = v.sel.init_blocks;
-  p.local_blocks = v.sel.local_blocks;
-  return p;
-}
-
-// The spec's scores in fp64 (exact products; sums with negligible rounding), with positions taken
-// from the variant's own request lengths: independent of the reference's code.
-class Oracle {
- public:
-  Oracle(const IdxVariant& v, const IdxInputs& in) : v_(v), in_(in) {
-    auto decode = [&](const Tensor& t, std::vector<double>& out) {
-      out.resize(size_t(t.numel()));
-      for (int64_t i = 0; i < t.numel(); ++i)
-        out[size_t(i)] = v.fp8 ? e4m3_to_float(t.ptr<uint8_t>()[i]) : b2f(t.ptr<uint16_t>()[i]);
-    };
-    decode(in.q, q_);
-    decode(in.cache, k_);
-  }
-  int operator()(int64_t t, int h, std::vector<double>& s) const {
-    const int* seq = v_.seq_lens.data();
-    int b = 0;
-    int64_t pos = 0;
-    if (v_.dql) {
-      b = int(t / v_.dql);
-      pos = seq[b] - v_.dql + t % v_.dql;
-    } else {
-      int64_t first = 0;
-      while (t >= first + v_.q_lens[size_t(b)]) first += v_.q_lens[size_t(b++)];
-      pos = seq[b] - v_.q_lens[size_t(b)] + (t - first);
-    }
-    if (pos < 0) return 0;
-    const int nb = int(pos / kBs) + 1;
-    s.assign(size_t(nb), NAN);
-    const double* q = q_.data() + (t * v_.heads + h) * 128;
-    for (int64_t n = 0; n <= pos; ++n) {
-      const int64_t page = in_.table.ptr<int32_t>()[b * in_.table.view().shape[1] + n / kBs];
-      const double* k = k_.data() + (page * kBs + n % kBs) * 128;
-      double dot = 0;
-      for (int d = 0; d < 128; ++d) dot += q[d] * k[d];
-      double& best = s[size_t(n / kBs)];
-      if (!std::isnan(dot) && (std::isnan(best) || dot > best)) best = dot;
-    }
-    return nb;
-  }
-
- private:
-  const IdxVariant& v_;
-  const IdxInputs& in_;
-  std::vector<double> q_, k_;
-};
-
-// The op on `dev` with poisoned output rows; returns them on the host.
-Tensor run_indexer(const IdxVariant& v, const IdxInputs& in, Device dev) {
+IndexerConfig variant_config(const IdxVariant& v, const IdxInputs& in) {
   IndexerConfig cfg;
   cfg.num_index_heads = v.heads;
   cfg.select = v.sel;
@@ -188,7 +119,18 @@ Tensor run_indexer(const IdxVariant& v, const IdxInputs& in, Device dev) {
   cfg.max_decode_seqs = v.dql ? int(v.seq_lens.size()) : 0;
   cfg.max_decode_query_len = std::max(v.dql, 1);
   cfg.max_blocks_per_seq = int(in.table.view().shape[1]);
-  LightningIndexer indexer(cfg, dev);
+  return cfg;
+}
+
+// The call over the host inputs, for the comparison and the scores.
+IndexerParams host_params(const IdxVariant& v, const IdxInputs& in) {
+  return indexer_call_params(variant_config(v, in), in.q, in.cache, in.seq_lens, in.table, TensorView{},
+                             in.cu, v.dql, in.max_query_len);
+}
+
+// The op on `dev` with poisoned output rows; returns them on the host.
+Tensor run_indexer(const IdxVariant& v, const IdxInputs& in, Device dev) {
+  LightningIndexer indexer(variant_config(v, in), dev);
   Tensor q = on(in.q, dev), cache = on(in.cache, dev), cu = on(in.cu, dev), lens = on(in.seq_lens, dev),
          table = on(in.table, dev);
   Tensor out = Tensor::empty({in.T + kExtraRows, v.heads, v.sel.topk}, DType::kInt32, dev);
@@ -238,10 +180,7 @@ void check_indexer_variant(CheckContext& c, const IdxVariant& v) {
   if (c.device.is_cuda()) {
     r = compare_indexer_topk(p, got.ptr<int32_t>(), row_stride, indexer_ref_row_scores(p), kGpuRelTol);
   } else {
-    const Oracle oracle(v, in);
-    r = compare_indexer_topk(
-        p, got.ptr<int32_t>(), row_stride,
-        [&oracle](int64_t t, int h, std::vector<double>& sc) { return oracle(t, h, sc); }, kCpuRelTol);
+    r = compare_indexer_topk(p, got.ptr<int32_t>(), row_stride, indexer_oracle_row_scores(p), kCpuRelTol);
   }
   add_set_row(c, "topk_out (sets)", r);
   Tensor poison = Tensor::empty({in.T + kExtraRows, v.heads, s.topk}, DType::kInt32);

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <memory>
 
 #include "m3rt/dtype.h"
 
@@ -142,6 +143,45 @@ IndexerRowScores indexer_ref_row_scores(const IndexerParams& p) {
     std::vector<float> f;
     const int nb = indexer_row_scores_ref(p, t, h, f);
     score.assign(f.begin(), f.end());
+    return nb;
+  };
+}
+
+IndexerRowScores indexer_oracle_row_scores(const IndexerParams& p) {
+  auto decode = [&p](const void* base, int64_t n) {
+    auto out = std::make_shared<std::vector<double>>(size_t(n));
+    for (int64_t i = 0; i < n; ++i)
+      (*out)[size_t(i)] = p.fp8 ? e4m3_to_float(static_cast<const uint8_t*>(base)[i])
+                                : bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+    return std::shared_ptr<const std::vector<double>>(out);
+  };
+  const auto q = decode(p.index_q, p.num_tokens * p.num_heads * kDim);
+  const auto k = decode(p.index_cache, p.num_cache_blocks * kBs * kDim);
+  return [p, q, k](int64_t t, int h, std::vector<double>& s) -> int {
+    s.clear();
+    int b = 0;
+    int64_t pos = 0;
+    if (p.decode_query_len > 0) {  // decode: row r of request b
+      b = int(t / p.decode_query_len);
+      pos = int64_t(p.seq_lens[b]) - p.decode_query_len + t % p.decode_query_len;
+    } else {  // prefill: the request whose query range holds t
+      while (b + 1 < p.num_seqs && p.cu_seqlens_q[b + 1] <= t) ++b;
+      const int64_t first = p.cu_seqlens_q[b], q_len = p.cu_seqlens_q[b + 1] - first;
+      if (t < first || t >= first + q_len) return 0;
+      pos = p.seq_lens[b] - q_len + (t - first);
+    }
+    if (pos < 0) return 0;
+    const int nb = int(pos / kBs) + 1;
+    s.assign(size_t(nb), NAN);
+    const double* qt = q->data() + (t * p.num_heads + h) * kDim;
+    for (int64_t n = 0; n <= pos; ++n) {
+      const int64_t page = p.block_table[b * p.block_table_stride + n / kBs];
+      const double* kn = k->data() + (page * kBs + n % kBs) * kDim;
+      double dot = 0;
+      for (int d = 0; d < kDim; ++d) dot += qt[d] * kn[d];
+      double& best = s[size_t(n / kBs)];
+      if (!std::isnan(dot) && (std::isnan(best) || dot > best)) best = dot;
+    }
     return nb;
   };
 }

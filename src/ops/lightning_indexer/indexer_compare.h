@@ -34,6 +34,11 @@ using IndexerRowScores = std::function<int(int64_t t, int h, std::vector<double>
 // The CPU reference's fp32 scores (indexer_row_scores_ref) of the call `p` describes.
 IndexerRowScores indexer_ref_row_scores(const IndexerParams& p);
 
+// The spec's scores (msa.md §3.2) in fp64 — products exact, sums in double, NaN dots skipped by the
+// max — with its own position logic: an oracle independent of the reference's code, for checking
+// the reference. `p` points at host copies of the inputs (which it decodes once, when called).
+IndexerRowScores indexer_oracle_row_scores(const IndexerParams& p);
+
 struct IndexerCompareResult {
   int64_t rows_checked = 0;  // (token, head) rows
   int64_t rows_failed = 0;

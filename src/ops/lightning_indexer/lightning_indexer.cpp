@@ -70,9 +70,6 @@ CallShape check_common(const IndexerConfig& cfg, Device dev, const TensorView& i
   if (s.num_tokens > 1 && topk_out.stride[0] < int64_t(H) * cfg.select.topk)
     throw_arg_error(kOp, "topk_out.strides", topk_out.stride_str(),
                     "rows must not overlap (row stride >= Hidx * topk)");
-  if (s.num_tokens > 1 && topk_out.stride[0] < int64_t(H) * cfg.select.topk)
-    throw_arg_error(kOp, "topk_out.strides", topk_out.stride_str(),
-                    "rows must not overlap (row stride >= Hidx * topk)");
   if ((topk_out.shape[2] > 1 && topk_out.stride[2] != 1) ||
       (H > 1 && topk_out.stride[1] != cfg.select.topk))
     throw_arg_error(kOp, "topk_out.strides", topk_out.stride_str(),
@@ -84,30 +81,35 @@ CallShape check_common(const IndexerConfig& cfg, Device dev, const TensorView& i
   return s;
 }
 
-IndexerParams make_params(const IndexerConfig& cfg, const CallShape& s, const TensorView& index_q,
-                          const TensorView& index_cache, const TensorView& seq_lens,
-                          const TensorView& block_table, const TensorView& topk_out) {
+}  // namespace
+
+IndexerParams indexer_call_params(const IndexerConfig& cfg, const TensorView& index_q,
+                                  const TensorView& index_cache, const TensorView& seq_lens,
+                                  const TensorView& block_table, const TensorView& topk_out,
+                                  const TensorView& cu_seqlens_q, int decode_query_len,
+                                  int max_query_len) {
   IndexerParams p{};
   p.index_q = index_q.data;
   p.index_cache = index_cache.data;
   p.fp8 = kv_cache_is_fp8(cfg.index_cache_dtype);
   p.num_cache_blocks = index_cache.shape[0];
   p.block_table = block_table.ptr<const int32_t>();
-  p.block_table_stride = block_table.stride[0];
-  p.max_blocks = s.max_blocks;
+  p.block_table_stride = block_table.shape[0] > 1 ? block_table.stride[0] : block_table.shape[1];
+  p.max_blocks = int(block_table.shape[1]);
   p.seq_lens = seq_lens.ptr<const int32_t>();
-  p.num_seqs = s.num_seqs;
-  p.num_tokens = s.num_tokens;
+  p.cu_seqlens_q = decode_query_len > 0 ? nullptr : cu_seqlens_q.ptr<const int32_t>();
+  p.num_seqs = int(seq_lens.shape[0]);
+  p.num_tokens = index_q.shape[0];
+  p.decode_query_len = decode_query_len;
+  p.max_query_len = max_query_len;
   p.num_heads = cfg.num_index_heads;
   p.topk = cfg.select.topk;
   p.init_blocks = cfg.select.init_blocks;
   p.local_blocks = cfg.select.local_blocks;
   p.topk_out = topk_out.ptr<int32_t>();
-  p.topk_stride_t = topk_out.stride[0];
+  p.topk_stride_t = topk_out.ndim > 0 ? topk_out.stride[0] : int64_t(cfg.num_index_heads) * cfg.select.topk;
   return p;
 }
-
-}  // namespace
 
 struct LightningIndexer::Scratch {
   Tensor prefill_scores;  // [max_prefill_tokens, Hidx, max_blocks_per_seq] fp32
@@ -180,14 +182,9 @@ void LightningIndexer::prefill(const IndexerPrefillArgs& a, stream_t stream) {
   if (s.num_seqs == 0 && s.num_tokens > 0)
     throw_arg_error(kOp, "seq_lens.shape", a.seq_lens.shape_str(),
                     "no requests for " + str(s.num_tokens) + " query tokens");
-  if (s.num_seqs == 0 && s.num_tokens > 0)
-    throw_arg_error(kOp, "seq_lens.shape", a.seq_lens.shape_str(),
-                    "no requests for " + str(s.num_tokens) + " query tokens");
   if (s.num_tokens == 0 || s.num_seqs == 0) return;
-  IndexerParams p = make_params(config_, s, a.index_q, a.index_cache, a.seq_lens, a.block_table,
-                                a.topk_out);
-  p.cu_seqlens_q = a.cu_seqlens_q.ptr<const int32_t>();
-  p.max_query_len = a.max_query_len;
+  IndexerParams p = indexer_call_params(config_, a.index_q, a.index_cache, a.seq_lens, a.block_table,
+                                        a.topk_out, a.cu_seqlens_q, 0, a.max_query_len);
   if (dev.is_cuda()) p.scores = scratch_->prefill_scores.ptr<float>();
   run_on_device(kOp, dev, p, indexer_ref, M3RT_LAUNCHER(indexer_prefill_launch), stream);
 }
@@ -209,9 +206,8 @@ void LightningIndexer::decode(const IndexerDecodeArgs& a, stream_t stream) {
                     "expected " + str(int64_t(s.num_seqs) * a.decode_query_len) +
                         " rows (num_seqs * decode_query_len)");
   if (s.num_seqs == 0) return;
-  IndexerParams p = make_params(config_, s, a.index_q, a.index_cache, a.seq_lens, a.block_table,
-                                a.topk_out);
-  p.decode_query_len = a.decode_query_len;
+  IndexerParams p = indexer_call_params(config_, a.index_q, a.index_cache, a.seq_lens, a.block_table,
+                                        a.topk_out, TensorView{}, a.decode_query_len, 0);
   if (dev.is_cuda()) {
     p.scores = scratch_->decode_scores.ptr<float>();
     p.counters = scratch_->counters.ptr<int>();

@@ -605,6 +605,33 @@ __global__ void __launch_bounds__(kDecodeThreads)
 
 // ------------------------------------------------------------------------------------------------
 // Prefill scoring.
+// The query tile and the chunk of pages a prefill scoring CTA owns. blockIdx.x = (query tile,
+// chunk of `chunk_pages` pages): a page's scores need no other page, so long causal rows split into
+// equal CTAs and the grid stays balanced; the last query tiles (the most pages) come first, so the
+// short tiles fill the tail of the grid. False when the CTA has nothing to do.
+struct PrefillWork {
+  Request req;
+  int t_begin, t_end;  // query tokens of the request, [t_begin, t_end)
+  int ctx;             // position of the request's first query token
+  int lowest_pos;      // position of the tile's first token
+  int j_begin, j_end;  // pages
+};
+
+__device__ __forceinline__ bool prefill_work(const IndexerParams& p, int tokens_per_tile, int chunks,
+                                             int chunk_pages, PrefillWork& w) {
+  const int chunk = int(blockIdx.x) % chunks, tile = int(gridDim.x) / chunks - 1 - int(blockIdx.x) / chunks;
+  if (!load_request(p, blockIdx.y, w.req)) return false;
+  w.t_begin = tile * tokens_per_tile;
+  if (w.t_begin >= w.req.q_len) return false;
+  w.t_end = min(w.req.q_len, w.t_begin + tokens_per_tile);
+  w.ctx = w.req.seq_len - w.req.q_len;
+  w.lowest_pos = w.ctx + w.t_begin;
+  w.j_begin = chunk * chunk_pages;
+  w.j_end = min((w.ctx + w.t_end - 1) / kPage + 1, w.j_begin + chunk_pages);
+  return w.j_begin < w.j_end;
+}
+
+
 constexpr int kPrefillWarps = 8;
 constexpr int kPrefillThreads = kPrefillWarps * 32;
 constexpr int kPrefillRows = kPrefillWarps * 32;  // query rows (tokens x heads) per CTA
@@ -628,21 +655,12 @@ __global__ void __launch_bounds__(kPrefillThreads, 2)
   constexpr int kChunks = page_chunks<kFp8>();
   constexpr int kElemBytes = kFp8 ? 1 : 2;
   const int b = blockIdx.y;
-  // blockIdx.x = (query tile, chunk of kPrefillChunkPages pages): a page's scores need no other
-  // page, so long causal rows split into equal CTAs and the grid stays balanced. The last query
-  // tiles (the most pages) come first, so the short tiles fill the tail of the grid.
-  const int chunk = int(blockIdx.x) % chunks, tile = int(gridDim.x) / chunks - 1 - int(blockIdx.x) / chunks;
-  Request req;
-  if (!load_request(p, b, req)) return;
-  const int t_begin = tile * tokens_per_tile;
-  if (t_begin >= req.q_len) return;
-  const int t_end = min(req.q_len, t_begin + tokens_per_tile);
+  PrefillWork w;
+  if (!prefill_work(p, tokens_per_tile, chunks, kPrefillChunkPages, w)) return;
+  const Request& req = w.req;
+  const int t_begin = w.t_begin, t_end = w.t_end, ctx = w.ctx, lowest_pos = w.lowest_pos;
+  const int j_begin = w.j_begin, j_end = w.j_end;
   const int H = p.num_heads;
-  const int ctx = req.seq_len - req.q_len;  // position of the request's first query token
-  const int lowest_pos = ctx + t_begin;
-  const int j_begin = chunk * kPrefillChunkPages;
-  const int j_end = min((ctx + t_end - 1) / kPage + 1, j_begin + kPrefillChunkPages);
-  if (j_begin >= j_end) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int32_t* table = p.block_table + int64_t(b) * p.block_table_stride;
   const char* cache = static_cast<const char*>(p.index_cache);
@@ -823,20 +841,12 @@ __global__ void __launch_bounds__(kSm90Threads, kSm90MinBlocks)
   uint8_t* smem = smem_raw + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023)) & 1023);
   uint8_t* mma_page = smem + kSm90Stages * kRawPageBytes;  // e4m3: the page converted to f16
   const int b = blockIdx.y;
-  // The last query tiles (the most pages) first, so the short tiles fill the tail of the grid.
-  const int chunk = int(blockIdx.x) % chunks, tile = int(gridDim.x) / chunks - 1 - int(blockIdx.x) / chunks;
-  Request req;
-  if (!load_request(p, b, req)) return;
-  const int t_begin = tile * tokens_per_tile;
-  if (t_begin >= req.q_len) return;
-  const int t_end = min(req.q_len, t_begin + tokens_per_tile);
+  PrefillWork w;
+  if (!prefill_work(p, tokens_per_tile, chunks, sm90_chunk_pages(p.max_blocks), w)) return;
+  const Request& req = w.req;
+  const int t_begin = w.t_begin, t_end = w.t_end, ctx = w.ctx, lowest_pos = w.lowest_pos;
+  const int j_begin = w.j_begin, j_end = w.j_end;
   const int H = p.num_heads;
-  const int ctx = req.seq_len - req.q_len;
-  const int lowest_pos = ctx + t_begin;
-  const int chunk_pages = sm90_chunk_pages(p.max_blocks);
-  const int j_begin = chunk * chunk_pages;
-  const int j_end = min((ctx + t_end - 1) / kPage + 1, j_begin + chunk_pages);
-  if (j_begin >= j_end) return;
   const int tid = threadIdx.x, lane = tid % 32, g = lane / 4, c = lane % 4;
   const int row_base = (tid / 128) * 64 + ((tid / 32) % 4) * 16;  // this warp's 16 rows
   const int32_t* table = p.block_table + int64_t(b) * p.block_table_stride;

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "m3rt/lightning_indexer.h"
+
 struct CUstream_st;
 
 namespace m3rt {
@@ -33,6 +35,16 @@ struct IndexerParams {
   float* scores;                // [scratch_rows, num_heads, max_blocks] fp32
   int* counters;                // [num_seqs] arrival counters of the decode kernel, zero between calls
 };
+
+// The params of one call over its tensors (no checks: the op validates before it builds them;
+// tests, checks and benchmarks use this on host or device tensors they built). Decode when
+// decode_query_len > 0, else prefill through cu_seqlens_q. An undefined topk_out gives a null
+// output and the dense row stride; scratch pointers are left null.
+IndexerParams indexer_call_params(const IndexerConfig& cfg, const TensorView& index_q,
+                                  const TensorView& index_cache, const TensorView& seq_lens,
+                                  const TensorView& block_table, const TensorView& topk_out,
+                                  const TensorView& cu_seqlens_q, int decode_query_len,
+                                  int max_query_len);
 
 // The request of token t and its position, as the reference and the kernels define them; returns
 // false for a token that belongs to no request or sits at a negative position (decode padding).

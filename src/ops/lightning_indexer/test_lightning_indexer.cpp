@@ -127,25 +127,7 @@ struct Problem {
   // The internal params of this call over the host tensors (for the comparison and the
   // reference's row scores).
   IndexerParams params() const {
-    IndexerParams p{};
-    p.index_q = q.data();
-    p.index_cache = cache.data();
-    p.fp8 = fp8;
-    p.num_cache_blocks = cache.view().shape[0];
-    p.block_table = table.ptr<const int32_t>();
-    p.block_table_stride = width;
-    p.max_blocks = width;
-    p.seq_lens = lens.ptr<const int32_t>();
-    p.cu_seqlens_q = dql ? nullptr : cu.ptr<const int32_t>();
-    p.num_seqs = int(seq_lens.size());
-    p.num_tokens = T;
-    p.decode_query_len = dql;
-    p.max_query_len = max_query_len;
-    p.num_heads = H;
-    p.topk = sel.topk;
-    p.init_blocks = sel.init_blocks;
-    p.local_blocks = sel.local_blocks;
-    return p;
+    return indexer_call_params(config(), q, cache, lens, table, TensorView{}, cu, dql, max_query_len);
   }
 };
 
@@ -185,16 +167,11 @@ Output run(const Problem& P, int64_t pad = 0, int64_t extra = 2) {
 
 // ---- the fp64 brute force -----------------------------------------------------------------------
 
-// Scores of the spec (§3.2) in fp64: products exact, sums in double; positions from the problem's
-// own request lengths; NaN dots skipped by the max.
+// The spec's scores (§3.2) in fp64 (detail::indexer_oracle_row_scores: products exact, sums in
+// double, NaN dots skipped), and positions from the problem's own request lengths.
 class Oracle {
  public:
-  explicit Oracle(const Problem& P) : P_(P) {
-    q_.resize(size_t(P.q.numel()));
-    k_.resize(size_t(P.cache.numel()));
-    for (size_t i = 0; i < q_.size(); ++i) q_[i] = P.get(P.q, int64_t(i));
-    for (size_t i = 0; i < k_.size(); ++i) k_[i] = P.get(P.cache, int64_t(i));
-  }
+  explicit Oracle(const Problem& P) : P_(P), scores_(detail::indexer_oracle_row_scores(P.params())) {}
   // Request and position of token t; false for a padded row.
   bool position(int64_t t, int* b, int64_t* pos) const {
     if (P_.dql) {
@@ -208,27 +185,11 @@ class Oracle {
     }
     return *pos >= 0;
   }
-  int scores(int64_t t, int h, std::vector<double>& s) const {
-    int b = 0;
-    int64_t pos = 0;
-    s.clear();
-    if (!position(t, &b, &pos)) return 0;
-    const int nb = int(pos / kBs) + 1;
-    s.assign(size_t(nb), NAN);
-    const double* q = q_.data() + (t * P_.H + h) * 128;
-    for (int64_t n = 0; n <= pos; ++n) {
-      const double* k = k_.data() + P_.key_elem(b, n);
-      double dot = 0;
-      for (int d = 0; d < 128; ++d) dot += q[d] * k[d];
-      double& best = s[size_t(n / kBs)];
-      if (!std::isnan(dot) && (std::isnan(best) || dot > best)) best = dot;
-    }
-    return nb;
-  }
+  int scores(int64_t t, int h, std::vector<double>& s) const { return scores_(t, h, s); }
 
  private:
   const Problem& P_;
-  std::vector<double> q_, k_;
+  detail::IndexerRowScores scores_;
 };
 
 bool is_forced(int j, int nb, const IndexerSelection& sel) {

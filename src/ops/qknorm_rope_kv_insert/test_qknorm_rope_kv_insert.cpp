@@ -21,6 +21,23 @@ QknormRopeKvInsertArgs qk_args(const TensorView& qkv, const Tensor& qw, const Te
           .num_heads = nq, .num_kv_heads = nkv, .rotary_dim = R, .eps = kEps};
 }
 
+// Cache rows hold exactly the k' and v left in the qkv rows `buf` (bf16), or e4m3(k' / 0.37) and
+// e4m3(v / 2.5) (fp8: the tests' scales).
+void check_kv_rows(Mismatches& mm, const Tensor& cache, const std::vector<int64_t>& slots, const Tensor& buf,
+                   int64_t row, int nq, int nkv, bool fp8) {
+  check_cache(mm, cache, slots, [&](const uint8_t* crow, int64_t t, int h) {
+    const uint16_t* k = buf.ptr<uint16_t>() + t * row + (nq + h) * 128;
+    const uint16_t* v = buf.ptr<uint16_t>() + t * row + (nq + nkv + h) * 128;
+    const uint16_t* c16 = reinterpret_cast<const uint16_t*>(crow);
+    for (int d = 0; d < 128; ++d) {
+      const bool ok = !fp8 ? c16[d] == k[d] && c16[128 + d] == v[d]
+                           : crow[d] == float_to_e4m3(bf16_to_float(k[d]) / 0.37f) &&
+                                 crow[128 + d] == float_to_e4m3(bf16_to_float(v[d]) / 2.5f);
+      if (!ok) mm.add("cache row of token/head/dim " + at({t, h, d}));
+    }
+  });
+}
+
 TEST(QknormRopeKvInsertCpu, MatchesOracle) {
   // insert: 0 none, 1 bf16 cache, 2 fp8 cache (k_scale 0.37, v_scale 2.5); pad: qkv row padding.
   const struct { int T, nq, nkv, R, bs, insert; bool q_out, q_fp8; float q_scale; int64_t pad; } cases[] = {
@@ -82,17 +99,7 @@ TEST(QknormRopeKvInsertCpu, MatchesOracle) {
     }
     // Cache rows hold exactly the k' left in qkv (bf16) or e4m3(k' / k_scale); V likewise.
     if (c.insert)
-      check_cache(mm, cache, slots, [&](const uint8_t* crow, int64_t t, int h) {
-        const uint16_t* k = buf.ptr<uint16_t>() + t * row + (c.nq + h) * 128;
-        const uint16_t* v = buf.ptr<uint16_t>() + t * row + (c.nq + c.nkv + h) * 128;
-        const uint16_t* c16 = reinterpret_cast<const uint16_t*>(crow);
-        for (int d = 0; d < 128; ++d) {
-          const bool ok = c.insert == 1 ? c16[d] == k[d] && c16[128 + d] == v[d]
-                                        : crow[d] == float_to_e4m3(bf16_to_float(k[d]) / 0.37f) &&
-                                              crow[128 + d] == float_to_e4m3(bf16_to_float(v[d]) / 2.5f);
-          if (!ok) mm.add("cache row of token/head/dim " + at({t, h, d}));
-        }
-      });
+      check_kv_rows(mm, cache, slots, buf, row, c.nq, c.nkv, c.insert == 2);
   }
 }
 
@@ -245,17 +252,7 @@ TEST(QknormRopeKvInsertCpu, SparseMatchesOracle) {
     });
     // The main insert is independent of the index insert: K/V rows as in the dense case.
     if (c.insert)
-      check_cache(mm, cache, slots, [&](const uint8_t* crow, int64_t t, int h) {
-        const uint16_t* k = buf.ptr<uint16_t>() + t * row + (c.nq + h) * 128;
-        const uint16_t* v = buf.ptr<uint16_t>() + t * row + (c.nq + c.nkv + h) * 128;
-        const uint16_t* c16 = reinterpret_cast<const uint16_t*>(crow);
-        for (int d = 0; d < 128; ++d) {
-          const bool ok = c.insert == 1 ? c16[d] == k[d] && c16[128 + d] == v[d]
-                                        : crow[d] == float_to_e4m3(bf16_to_float(k[d]) / 0.37f) &&
-                                              crow[128 + d] == float_to_e4m3(bf16_to_float(v[d]) / 2.5f);
-          if (!ok) mm.add("cache row of token/head/dim " + at({t, h, d}));
-        }
-      });
+      check_kv_rows(mm, cache, slots, buf, row, c.nq, c.nkv, c.insert == 2);
   }
 }
 

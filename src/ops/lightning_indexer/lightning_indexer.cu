@@ -5,21 +5,26 @@
 //   scores       [T, Hidx, max_blocks]   fp32 scratch: score[t, h, j] for j < the token's nb
 //   topk_out     [T, Hidx, topk]         int32, ascending ids, -1 after
 //
-// Dot products run on mma.sync m16n8k16 with fp32 accumulation (bf16 inputs as bf16; e4m3 inputs
-// converted exactly to f16). Each lane loads its fragments straight from memory in 16-byte chunks:
-// the 128 dims of a row are permuted so that lane c of a quad owns the chunks 4i + c (see
-// load_frag_words), and Q and K use the same permutation, so every dot product is over the same
-// pairs of dims — only the order of the sum changes.
+// Dot products run on tensor cores with fp32 accumulation (bf16 inputs as bf16; e4m3 inputs
+// converted exactly to f16). Hopper (compute capability 9.x) runs the *_sm90 kernels; every other
+// GPU the portable ones (mma.sync, sm_80 PTX); `indexer_force_portable` runs the portable ones on
+// Hopper too (tests, bench baselines).
 //
-// Decode (indexer_decode_kernel): grid (splits, requests, row groups). A CTA scores the pages
+// Decode, one launch: grid (splits, requests, row groups of 128 query rows). A CTA scores the pages
 // [split * per, (split + 1) * per) of its request (per = ceil(visible pages / splits), from the
-// device-side seq_len, so the grid depends only on shapes); each warp owns a page, with keys as
-// the MMA's M dimension and the request's dql x Hidx query rows as N. Scores go to the scratch; the
-// last CTA of a request to arrive (a per-request counter, reset by that CTA) selects every row.
-// Prefill (indexer_prefill_score_kernel, then indexer_prefill_select_kernel): grid (query tiles x
-// page chunks, requests), a CTA holds 256 query rows (256 / Hidx tokens x Hidx heads) as the M dimension in
-// registers and streams up to 8 of the request's pages through shared memory (cp.async, two
-// stages); each row's running max over a page's visible keys becomes its score.
+// device-side seq_len, so the grid depends only on shapes): keys as the M dimension of m16n8k16
+// MMAs, the request's dql x Hidx query rows as N. Hopper: whole pages bulk-copied into shared
+// memory (three in flight), a warp per 32 keys; portable: a warp per page, its chunks loaded
+// straight into registers, with the 128 dims of a row permuted so that lane c of a quad owns the
+// 16-byte chunks 4i + c (load_row_chunks / chunks_to_words; Q and K use the same permutation, so
+// each dot product pairs the same dims, only the order of the sum changes). Scores go to the
+// scratch; the last CTA of a request to arrive (a per-request counter, reset by that CTA) selects
+// every row of the request.
+// Prefill, two launches: scoring over a grid (query tiles x page chunks, requests), the longest
+// tiles first. Hopper: 2 warpgroups x 64 query rows in registers, wgmma m64n128k16 against each page
+// (128 keys, 128-byte swizzle) in shared memory, 3-stage cp.async pipeline; portable: 8 warps x 32
+// rows, mma.sync, 2 stages. Each row's masked max over a page's keys is its score. Then one warp per
+// (token, head) row selects.
 //
 // Reference: lightning_indexer_ref.cpp; checks: check_lightning_indexer.cpp (m3rt check),
 // tests/test_gpu.cu; bench: bench_lightning_indexer.cu.

@@ -43,7 +43,8 @@ INSTANTIATE_TEST_SUITE_P(Ops, CheckGpu, ::testing::ValuesIn(check_op_names()));
 TEST(Check, TableNamesEveryOp) {
   const std::vector<std::string> want = {"reshape_and_cache", "gemma_rms_norm", "swiglu_oai",
                                          "dspark_context_kv_write", "qknorm_rope_kv_insert",
-                                         "indexer_prefill", "indexer_decode"};
+                                         "indexer_prefill", "indexer_decode", "msa_prefill",
+                                         "msa_decode"};
   EXPECT_EQ(check_op_names(), want);
 }
 

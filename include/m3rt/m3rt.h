@@ -4,5 +4,6 @@
 #include "m3rt/dtype.h"
 #include "m3rt/error.h"
 #include "m3rt/lightning_indexer.h"
+#include "m3rt/msa_attention.h"
 #include "m3rt/ops.h"
 #include "m3rt/tensor.h"

@@ -21,6 +21,8 @@ constexpr Entry kChecks[] = {
     {"qknorm_rope_kv_insert", detail::check_qknorm_rope_kv_insert},
     {"indexer_prefill", detail::check_indexer_prefill},
     {"indexer_decode", detail::check_indexer_decode},
+    {"msa_prefill", detail::check_msa_prefill},
+    {"msa_decode", detail::check_msa_decode},
 };
 }  // namespace
 

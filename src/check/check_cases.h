@@ -25,5 +25,7 @@ void check_dspark_context_kv_write(CheckContext& c);
 void check_qknorm_rope_kv_insert(CheckContext& c);
 void check_indexer_prefill(CheckContext& c);  // src/ops/lightning_indexer/check_lightning_indexer.cpp
 void check_indexer_decode(CheckContext& c);
+void check_msa_prefill(CheckContext& c);  // src/ops/msa_attention/check_msa_attention.cpp
+void check_msa_decode(CheckContext& c);
 
 }  // namespace m3rt::detail

@@ -1,6 +1,10 @@
 // Helpers shared by the per-op checks of `m3rt check`; see check_helpers.h.
 #include "check/check_helpers.h"
 
+#include <algorithm>
+#include <climits>
+#include <numeric>
+
 #include "check/compare.h"
 #include "m3rt/dtype.h"
 
@@ -57,6 +61,47 @@ void oracle_store(void* cache, bool fp8, int64_t elem, const uint16_t* v, double
 int64_t cache_elem(const TensorView& cache, int64_t slot, int h) {
   const int64_t bs = cache.shape[2];
   return (slot / bs) * cache.stride[0] + h * cache.stride[1] + (slot % bs) * cache.stride[2];
+}
+
+uint16_t random_code(Rng& rng, bool fp8) {
+  return fp8 ? float_to_e4m3(rng.uniform(-2.f, 2.f)) : float_to_bf16(rng.uniform(-1.f, 1.f));
+}
+
+PagedBatch make_paged_batch(Rng& rng, const std::vector<int>& seq_lens, const std::vector<int>& q_lens, int dql) {
+  constexpr int kBs = 128;
+  const int B = int(seq_lens.size());
+  PagedBatch pb;
+  pb.cu.assign(size_t(B) + 1, 0);
+  for (int b = 0; b < B; ++b) {
+    const int ql = dql ? dql : q_lens[size_t(b)];
+    pb.cu[size_t(b) + 1] = pb.cu[size_t(b)] + ql;
+    pb.max_query_len = std::max(pb.max_query_len, ql);
+  }
+  pb.T = pb.cu[size_t(B)];
+  pb.blocks.resize(size_t(B));
+  int used = 0;
+  pb.width = 1;
+  for (int b = 0; b < B; ++b) {
+    pb.blocks[size_t(b)] = (seq_lens[size_t(b)] + kBs - 1) / kBs;
+    pb.width = std::max(pb.width, pb.blocks[size_t(b)] + 1);
+    used += pb.blocks[size_t(b)];
+  }
+  pb.pages = used + 3;
+  std::vector<int32_t> perm(static_cast<size_t>(pb.pages));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng.gen());
+  const int32_t garbage[] = {-1, pb.pages, INT32_MAX, INT32_MIN, perm[size_t(pb.pages) - 1]};
+  pb.block_table = Tensor::empty({B, pb.width}, DType::kInt32);
+  int next = 0;
+  for (int b = 0; b < B; ++b)
+    for (int j = 0; j < pb.width; ++j)
+      pb.block_table.ptr<int32_t>()[b * pb.width + j] =
+          j < pb.blocks[size_t(b)] ? perm[size_t(next++)] : garbage[(b + j) % 5];
+  pb.cu_seqlens_q = Tensor::empty({B + 1}, DType::kInt32);
+  std::copy(pb.cu.begin(), pb.cu.end(), pb.cu_seqlens_q.ptr<int32_t>());
+  pb.seq_lens = Tensor::empty({B}, DType::kInt32);
+  std::copy(seq_lens.begin(), seq_lens.end(), pb.seq_lens.ptr<int32_t>());
+  return pb;
 }
 
 }  // namespace m3rt::detail

@@ -41,4 +41,22 @@ void oracle_store(void* cache, bool fp8, int64_t elem, const uint16_t* v, double
 
 int64_t cache_elem(const TensorView& cache, int64_t slot, int h);
 
+// A random bf16 code in [-1, 1], or an e4m3 code of a value in [-2, 2].
+uint16_t random_code(Rng& rng, bool fp8);
+
+// The batch layout of an MSA check (indexer, attention): requests with `seq_lens` tokens and
+// `q_lens` query tokens each (prefill), or `dql` rows each (decode, q_lens ignored). Every 128-token
+// block of a request gets its own page of a shuffled set of `pages` (= the blocks used + 3 spare
+// pages nobody references); block-table entries past a request's blocks hold garbage ids
+// (-1, out-of-range ids, a spare page), so a kernel that reads one fails.
+struct PagedBatch {
+  std::vector<int32_t> cu;     // [B + 1] query-token offsets
+  std::vector<int> blocks;     // [B] blocks of each request
+  Tensor cu_seqlens_q, seq_lens, block_table;  // host int32 tensors; table [B, width]
+  int64_t T = 0;
+  int max_query_len = 0, width = 0, pages = 0;
+  int32_t page(int b, int j) const { return block_table.ptr<int32_t>()[b * width + j]; }
+};
+PagedBatch make_paged_batch(Rng& rng, const std::vector<int>& seq_lens, const std::vector<int>& q_lens, int dql);
+
 }  // namespace m3rt::detail

@@ -81,6 +81,21 @@ void require_index_vector(const char* op, const char* name, const TensorView& v,
   require_device(op, name, v, device);
 }
 
+void require_prefill_batch(const char* op, const TensorView& cu_seqlens_q, int num_seqs,
+                           int64_t num_tokens, int max_query_len, Device device) {
+  require_defined(op, "cu_seqlens_q", cu_seqlens_q);
+  require_device(op, "cu_seqlens_q", cu_seqlens_q, device);
+  require_dtype(op, "cu_seqlens_q", cu_seqlens_q, {DType::kInt32});
+  require_shape(op, "cu_seqlens_q", cu_seqlens_q, {int64_t(num_seqs) + 1});
+  require_contiguous(op, "cu_seqlens_q", cu_seqlens_q);
+  if (max_query_len < 0 || max_query_len > num_tokens)
+    throw_arg_error(op, "max_query_len", std::to_string(max_query_len),
+                    "must lie in [0, T = " + std::to_string(num_tokens) + "]");
+  if (num_seqs == 0 && num_tokens > 0)
+    throw_arg_error(op, "seq_lens.shape", "[0]",
+                    "no requests for " + std::to_string(num_tokens) + " query tokens");
+}
+
 void require_rope_table(const char* op, const TensorView& cos_sin_cache, int rotary_dim,
                         Device device) {
   if (rotary_dim != 16 && rotary_dim != 32 && rotary_dim != 64) {

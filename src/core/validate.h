@@ -29,6 +29,10 @@ void require_scale(const char* op, const char* name, const TensorView& v, Device
 // A 1-D int64 vector of n elements, contiguous, on `device`.
 void require_index_vector(const char* op, const char* name, const TensorView& v, int64_t n,
                           Device device);
+// A prefill batch's cu_seqlens_q ([num_seqs + 1] int32, contiguous, on `device`) and max_query_len
+// (in [0, num_tokens]); throws when num_tokens > 0 but there are no requests.
+void require_prefill_batch(const char* op, const TensorView& cu_seqlens_q, int num_seqs,
+                           int64_t num_tokens, int max_query_len, Device device);
 // The RoPE table: [max_pos, rotary_dim] bf16 contiguous, rotary_dim in {16, 32, 64}.
 void require_rope_table(const char* op, const TensorView& cos_sin_cache, int rotary_dim,
                         Device device);

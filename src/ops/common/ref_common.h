@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include "m3rt/dtype.h"
 #include "m3rt/error.h"
 
 namespace m3rt {
@@ -44,5 +45,41 @@ inline float head_sum_of_squares(const float* x) {
   }
   return part[0];
 }
+
+}  // namespace m3rt
+
+namespace m3rt {
+
+// The batch layout the MSA ops (lightning indexer, sparse attention) read from device memory:
+// prefill requests by cu_seqlens_q, or decode requests of decode_query_len rows each.
+struct RequestLayout {
+  const int32_t* cu_seqlens_q;  // prefill: [num_seqs + 1]; decode: nullptr
+  const int32_t* seq_lens;      // [num_seqs]
+  int num_seqs;
+  int64_t num_tokens;           // query rows
+  int decode_query_len;         // decode: 1..32; prefill: 0
+  int max_query_len;            // prefill
+  int max_blocks;               // block_table width, in 128-token blocks
+};
+
+// e4m3 code -> float, exact, through a 256-entry table (references decode every key per row).
+float e4m3_code_to_float(uint8_t code);
+
+// Element i of a bf16 or e4m3 array, as float (exact).
+inline float load_bf16_or_e4m3(const void* base, bool fp8, int64_t i) {
+  if (fp8) return e4m3_code_to_float(static_cast<const uint8_t*>(base)[i]);
+  return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+}
+
+// Throws, naming the entry, its value and the rule, unless: cu_seqlens_q[0] == 0, non-decreasing,
+// cu_seqlens_q[B] == num_tokens (`rows`: what the tokens are, e.g. "the q rows"), every query
+// length <= max_query_len, 0 <= seq_lens[b] (prefill: >= its query length), and
+// ceil(seq_lens[b] / 128) <= max_blocks.
+void check_request_layout(const char* op, const RequestLayout& r, const char* rows);
+
+// The request of token t and its position: prefill, the request b with cu[b] <= t < cu[b + 1] at
+// seq_lens[b] - query_len_b + (t - cu[b]); decode, b = t / dql at seq_lens[b] - dql + t % dql
+// (negative when seq_len < dql). False for a token of no request.
+bool request_token_position(const RequestLayout& r, int64_t t, int* seq, int64_t* position);
 
 }  // namespace m3rt

@@ -48,50 +48,25 @@ struct IdxInputs {
   int max_query_len = 0;
 };
 
-uint16_t random_code(Rng& rng, bool fp8) {
-  return fp8 ? float_to_e4m3(rng.uniform(-2.f, 2.f)) : float_to_bf16(rng.uniform(-1.f, 1.f));
-}
 
 IdxInputs make_inputs(Rng& rng, const IdxVariant& v) {
   const int B = int(v.seq_lens.size()), H = v.heads;
   const int64_t esz = v.fp8 ? 1 : 2;
   const DType cdt = v.fp8 ? DType::kUInt8 : DType::kBFloat16;
   IdxInputs in;
-  std::vector<int32_t> cu(size_t(B) + 1, 0);
-  for (int b = 0; b < B; ++b) {
-    const int ql = v.dql ? v.dql : v.q_lens[size_t(b)];
-    cu[size_t(b) + 1] = cu[size_t(b)] + ql;
-    in.max_query_len = std::max(in.max_query_len, ql);
-  }
-  in.T = cu[size_t(B)];
-  // Every used block gets its own page of a shuffled set; 3 spare pages no request references.
-  std::vector<int> blocks(static_cast<size_t>(B));
-  int width = 1, used = 0;
-  for (int b = 0; b < B; ++b) {
-    blocks[size_t(b)] = (v.seq_lens[size_t(b)] + kBs - 1) / kBs;
-    width = std::max(width, blocks[size_t(b)] + 1);
-    used += blocks[size_t(b)];
-  }
-  const int pages = used + 3;
-  std::vector<int32_t> perm(static_cast<size_t>(pages));
-  std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), rng.gen());
-  in.table = Tensor::empty({B, width}, DType::kInt32);
-  in.cache = Tensor::empty({pages, kBs, 128}, cdt);
+  PagedBatch pb = make_paged_batch(rng, v.seq_lens, v.q_lens, v.dql);
+  in.T = pb.T;
+  in.max_query_len = pb.max_query_len;
+  in.cache = Tensor::empty({pb.pages, kBs, 128}, cdt);
   in.cache.fill_bytes(0xFF);
-  const int32_t garbage[] = {-1, pages, INT32_MAX, INT32_MIN, pages + 1000};
-  int next = 0;
   for (int b = 0; b < B; ++b) {
     // Rows some token may read: positions < seq_len, when the request has query tokens.
-    const bool queried = cu[size_t(b) + 1] > cu[size_t(b)];
-    for (int j = 0; j < width; ++j) {
-      int32_t& e = in.table.ptr<int32_t>()[b * width + j];
-      e = j < blocks[size_t(b)] ? perm[size_t(next++)] : garbage[(b + j) % 5];
-      if (j >= blocks[size_t(b)] || !queried) continue;
+    if (pb.cu[size_t(b) + 1] == pb.cu[size_t(b)]) continue;
+    for (int j = 0; j < pb.blocks[size_t(b)]; ++j) {
       const int rows = std::min(kBs, v.seq_lens[size_t(b)] - j * kBs);
       for (int64_t i = 0; i < int64_t(rows) * 128; ++i) {
         const uint16_t c = random_code(rng, v.fp8);
-        const int64_t o = (int64_t(e) * kBs * 128 + i) * esz;
+        const int64_t o = (int64_t(pb.page(b, j)) * kBs * 128 + i) * esz;
         if (v.fp8) in.cache.ptr<uint8_t>()[o] = uint8_t(c);
         else in.cache.ptr<uint16_t>()[o / 2] = c;
       }
@@ -103,10 +78,9 @@ IdxInputs make_inputs(Rng& rng, const IdxVariant& v) {
     if (v.fp8) in.q.ptr<uint8_t>()[i] = uint8_t(c);
     else in.q.ptr<uint16_t>()[i] = c;
   }
-  in.cu = Tensor::empty({B + 1}, DType::kInt32);
-  std::copy(cu.begin(), cu.end(), in.cu.ptr<int32_t>());
-  in.seq_lens = Tensor::empty({B}, DType::kInt32);
-  std::copy(v.seq_lens.begin(), v.seq_lens.end(), in.seq_lens.ptr<int32_t>());
+  in.cu = pb.cu_seqlens_q;
+  in.seq_lens = pb.seq_lens;
+  in.table = pb.block_table;
   return in;
 }
 

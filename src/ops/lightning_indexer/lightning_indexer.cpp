@@ -171,17 +171,7 @@ void LightningIndexer::prefill(const IndexerPrefillArgs& a, stream_t stream) {
     throw_arg_error(kOp, "index_q.shape", a.index_q.shape_str(),
                     "at most max_prefill_tokens = " + str(config_.max_prefill_tokens) +
                         " tokens (IndexerConfig)");
-  require_defined(kOp, "cu_seqlens_q", a.cu_seqlens_q);
-  require_device(kOp, "cu_seqlens_q", a.cu_seqlens_q, dev);
-  require_dtype(kOp, "cu_seqlens_q", a.cu_seqlens_q, {DType::kInt32});
-  require_shape(kOp, "cu_seqlens_q", a.cu_seqlens_q, {int64_t(s.num_seqs) + 1});
-  require_contiguous(kOp, "cu_seqlens_q", a.cu_seqlens_q);
-  if (a.max_query_len < 0 || a.max_query_len > s.num_tokens)
-    throw_arg_error(kOp, "max_query_len", str(a.max_query_len),
-                    "must lie in [0, T = " + str(s.num_tokens) + "]");
-  if (s.num_seqs == 0 && s.num_tokens > 0)
-    throw_arg_error(kOp, "seq_lens.shape", a.seq_lens.shape_str(),
-                    "no requests for " + str(s.num_tokens) + " query tokens");
+  require_prefill_batch(kOp, a.cu_seqlens_q, s.num_seqs, s.num_tokens, a.max_query_len, dev);
   if (s.num_tokens == 0 || s.num_seqs == 0) return;
   IndexerParams p = indexer_call_params(config_, a.index_q, a.index_cache, a.seq_lens, a.block_table,
                                         a.topk_out, a.cu_seqlens_q, 0, a.max_query_len);

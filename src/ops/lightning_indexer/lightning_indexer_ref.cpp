@@ -10,6 +10,7 @@
 
 #include "m3rt/dtype.h"
 #include "m3rt/error.h"
+#include "ops/common/ref_common.h"
 #include "ops/lightning_indexer/lightning_indexer.h"
 
 namespace m3rt {
@@ -22,58 +23,19 @@ constexpr int kDim = 128;  // index dim
 
 std::string str(int64_t v) { return std::to_string(v); }
 
-// e4m3 code -> float, exact (every key element of a block is decoded per scored row).
-const std::array<float, 256>& e4m3_table() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int c = 0; c < 256; ++c) t[size_t(c)] = e4m3_to_float(uint8_t(c));
-    return t;
-  }();
-  return table;
-}
-
-// Element i of a bf16 or e4m3 array, as float (exact).
-inline float load(const void* base, bool fp8, int64_t i) {
-  if (fp8) return e4m3_table()[static_cast<const uint8_t*>(base)[i]];
-  return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
-}
 
 // Rejects lengths and page ids the kernels cannot report (they are device-resident): called before
 // anything is written.
+RequestLayout layout(const IndexerParams& p) {
+  return {p.cu_seqlens_q, p.seq_lens, p.num_seqs, p.num_tokens, p.decode_query_len, p.max_query_len,
+          p.max_blocks};
+}
+
 void check_indices(const IndexerParams& p) {
-  const int B = p.num_seqs;
-  const int32_t* cu = p.cu_seqlens_q;
-  if (cu) {
-    if (cu[0] != 0) throw_arg_error(kOp, "cu_seqlens_q[0]", str(cu[0]), "must be 0");
-    for (int b = 0; b < B; ++b)
-      if (cu[b + 1] < cu[b])
-        throw_arg_error(kOp, "cu_seqlens_q[" + str(b + 1) + "]", str(cu[b + 1]),
-                        "must be >= cu_seqlens_q[" + str(b) + "] = " + str(cu[b]) +
-                            " (non-decreasing)");
-    if (cu[B] != p.num_tokens)
-      throw_arg_error(kOp, "cu_seqlens_q[" + str(B) + "]", str(cu[B]),
-                      "must equal T = " + str(p.num_tokens) + " (the index_q rows)");
-  }
-  for (int b = 0; b < B; ++b) {
+  check_request_layout(kOp, layout(p), "the index_q rows");
+  for (int b = 0; b < p.num_seqs; ++b) {
     const int64_t len = p.seq_lens[b];
-    const std::string arg = "seq_lens[" + str(b) + "]";
-    if (len < 0) throw_arg_error(kOp, arg, str(len), "must be >= 0");
-    if (cu) {
-      const int64_t q_len = int64_t(cu[b + 1]) - cu[b];
-      if (q_len > p.max_query_len)
-        throw_arg_error(kOp, "cu_seqlens_q[" + str(b + 1) + "] - cu_seqlens_q[" + str(b) + "]",
-                        str(q_len), "must be <= max_query_len = " + str(p.max_query_len));
-      if (len < q_len)
-        throw_arg_error(kOp, arg, str(len),
-                        "must be >= the request's query length " + str(q_len) +
-                            " (cu_seqlens_q[" + str(b + 1) + "] - cu_seqlens_q[" + str(b) + "])");
-    }
     const int64_t blocks = (len + kBs - 1) / kBs;
-    if (blocks > p.max_blocks)
-      throw_arg_error(kOp, arg, str(len),
-                      "must be <= 128 * max_blocks = " + str(int64_t(kBs) * p.max_blocks) +
-                          " (its " + str(blocks) + " blocks must fit block_table's " +
-                          str(p.max_blocks) + " columns)");
     const int32_t* row = p.block_table + b * p.block_table_stride;
     for (int64_t j = 0; j < blocks; ++j)
       if (row[j] < 0 || row[j] >= p.num_cache_blocks)
@@ -99,7 +61,7 @@ int token_scores(const IndexerParams& p, int64_t t, int h0, int nh, std::vector<
   std::vector<float> q(size_t(nh) * kDim), kt(size_t(kDim) * kBs);
   for (int h = 0; h < nh; ++h)
     for (int d = 0; d < kDim; ++d)
-      q[size_t(h * kDim + d)] = load(p.index_q, p.fp8, (t * p.num_heads + h0 + h) * kDim + d);
+      q[size_t(h * kDim + d)] = load_bf16_or_e4m3(p.index_q, p.fp8, (t * p.num_heads + h0 + h) * kDim + d);
   const int32_t* table_row = p.block_table + seq * p.block_table_stride;
   float dot[kBs];
   for (int j = 0; j < nb; ++j) {
@@ -109,7 +71,7 @@ int token_scores(const IndexerParams& p, int64_t t, int h0, int nh, std::vector<
     const int n = int(std::min<int64_t>(kBs, pos + 1 - int64_t(j) * kBs));  // keys <= pos
     for (int i = 0; i < n; ++i)
       for (int d = 0; d < kDim; ++d)
-        kt[size_t(d * kBs + i)] = load(p.index_cache, p.fp8, ((page * kBs) + i) * kDim + d);
+        kt[size_t(d * kBs + i)] = load_bf16_or_e4m3(p.index_cache, p.fp8, ((page * kBs) + i) * kDim + d);
     for (int h = 0; h < nh; ++h) {
       const float* qh = q.data() + h * kDim;
       for (int i = 0; i < n; ++i) dot[i] = 0.f;
@@ -131,26 +93,8 @@ int token_scores(const IndexerParams& p, int64_t t, int h0, int nh, std::vector<
 }  // namespace
 
 bool indexer_token_position(const IndexerParams& p, int64_t t, int* seq, int64_t* position) {
-  if (t < 0 || t >= p.num_tokens) return false;
-  int b = 0;
-  int64_t pos = 0;
-  if (p.cu_seqlens_q) {
-    // The request b with cu[b] <= t < cu[b + 1] (empty requests own no token).
-    const int32_t* cu = p.cu_seqlens_q;
-    const int32_t* it = std::upper_bound(cu, cu + p.num_seqs + 1, t);
-    if (it == cu || it == cu + p.num_seqs + 1) return false;
-    b = int(it - cu) - 1;
-    pos = int64_t(p.seq_lens[b]) - (int64_t(cu[b + 1]) - cu[b]) + (t - cu[b]);
-  } else {
-    if (p.decode_query_len < 1) return false;
-    b = int(t / p.decode_query_len);
-    if (b >= p.num_seqs) return false;
-    pos = int64_t(p.seq_lens[b]) - p.decode_query_len + t % p.decode_query_len;
-  }
-  if (pos < 0) return false;  // decode padding (seq_len < decode_query_len)
-  *seq = b;
-  *position = pos;
-  return true;
+  // Decode padding (seq_len < decode_query_len) has no position here: its rows select nothing.
+  return request_token_position(layout(p), t, seq, position) && *position >= 0;
 }
 
 int indexer_row_scores_ref(const IndexerParams& p, int64_t t, int h, std::vector<float>& score) {

@@ -1,0 +1,256 @@
+// The `m3rt check` rows of MSA sparse attention: msa_prefill (varlen, chunked prefill) and
+// msa_decode (decode_query_len 1 and 8, padded requests, a non-causal windowed variant).
+// Inputs: q random bf16 in [-1, 1]; cache codes random; shuffled block tables; top-k lists made
+// like the indexer's (unique ascending ids of visible blocks, the local block last, then -1) with
+// -1 holes, repeated ids and ids past the visible blocks inserted in some rows. Every (page, KV head)
+// slice no row uses holds NaN (0xFF bytes in bf16 and e4m3), and so does every row of a used page
+// at a position >= seq_len; unused block_table entries hold garbage page ids. So a kernel that reads
+// an unselected page, a skipped entry or a key past seq_len turns its row NaN. out and lse are
+// poisoned (0xFF: NaN) before the call; every row must be written.
+// On the CPU the op (the reference) is compared with the fp64 oracle (msa_oracle.h): out within
+// 1 bf16 ulp of the oracle rounded once, or 1e-6 absolute; lse within 1e-5 relative. On a GPU the op
+// is compared with the CPU reference: out within 3 bf16 ulps or 8e-4 absolute; lse within 2^-15
+// relative. Relative lse errors are |got - want| / max(|want|, 1); -inf must match -inf.
+// Shared helpers: src/check/check_helpers.h.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "check/check_helpers.h"
+#include "check/check_util.h"
+#include "check/compare.h"
+#include "m3rt/msa_attention.h"
+#include "ops/msa_attention/msa_oracle.h"
+
+namespace m3rt::detail {
+
+namespace {
+
+constexpr int kBs = kMsaPageSize;
+constexpr double kCpuUlps = 1, kCpuAbs = 1e-6, kCpuLseRel = 1e-5;
+constexpr double kGpuUlps = 3, kGpuAbs = 8e-4, kGpuLseRel = 2.0 / 65536;
+constexpr double kPpm = 1e-6;  // lse rows report relative errors in parts per million
+
+struct MsaVariant {
+  bool fp8;
+  int hq, hkv, topk;
+  int dql;                    // decode_query_len; 0: prefill
+  std::vector<int> seq_lens;
+  std::vector<int> q_lens;    // prefill: query tokens of each request
+  MsaMask mask{};
+};
+
+// Host inputs of one call; topk is the [Hkv, T, topk] view of the token-major buffer.
+struct MsaInputs {
+  Tensor q, cache, k_scale, v_scale, topk_buf, cu, seq_lens, table;
+  TensorView topk;
+  int64_t T = 0;
+  int max_query_len = 0;
+};
+
+
+// The [Hkv, T, K] view of a token-major [T, Hkv, K] buffer (on any device).
+TensorView head_major_view(const Tensor& buf) {
+  const TensorView& b = buf.view();
+  TensorView v = b;
+  v.shape[0] = b.shape[1], v.shape[1] = b.shape[0];
+  v.stride[0] = b.stride[1], v.stride[1] = b.stride[0];
+  return v;
+}
+
+// An indexer-like list of row (t, g) with nb visible blocks, then (one row in three) a -1 hole, a
+// repeated id or an id past the visible blocks inserted at a random place (the last entry drops
+// out of a full list).
+void make_list(Rng& rng, int nb, int K, int32_t* list) {
+  const int k = std::min(K, nb);
+  std::vector<int32_t> ids;
+  if (k > 0) {
+    std::vector<int32_t> rest(static_cast<size_t>(nb - 1));
+    std::iota(rest.begin(), rest.end(), 0);
+    std::shuffle(rest.begin(), rest.end(), rng.gen());
+    ids.assign(rest.begin(), rest.begin() + (k - 1));
+    std::sort(ids.begin(), ids.end());
+    ids.push_back(nb - 1);  // the local block last
+  }
+  const int64_t kind = rng.integer(0, 5);
+  if (kind < 3) {
+    const int32_t extra = kind == 0 ? -1 : kind == 1 && k > 0 ? ids[size_t(rng.integer(0, k - 1))]
+                                                             : nb + int32_t(rng.integer(0, 2));
+    ids.insert(ids.begin() + rng.integer(0, int64_t(ids.size())), extra);
+  }
+  ids.resize(size_t(K), -1);
+  std::copy(ids.begin(), ids.end(), list);
+}
+
+MsaInputs make_inputs(Rng& rng, const MsaVariant& v) {
+  const int B = int(v.seq_lens.size()), K = v.topk, Hkv = v.hkv;
+  MsaInputs in;
+  const PagedBatch pb = make_paged_batch(rng, v.seq_lens, v.q_lens, v.dql);
+  const std::vector<int32_t>& cu = pb.cu;
+  const int pages = pb.pages;
+  in.T = pb.T;
+  in.max_query_len = pb.max_query_len;
+  in.table = pb.block_table;
+  // Top-k lists, and the (page, KV head) slices some row uses.
+  in.topk_buf = Tensor::empty({in.T, Hkv, K}, DType::kInt32);
+  std::vector<char> slice_used(size_t(pages) * size_t(Hkv), 0);
+  for (int b = 0; b < B; ++b)
+    for (int64_t t = cu[size_t(b)]; t < cu[size_t(b) + 1]; ++t) {
+      const int64_t len = v.seq_lens[size_t(b)];
+      const int64_t pos = len - (cu[size_t(b) + 1] - cu[size_t(b)]) + (t - cu[size_t(b)]);
+      const int64_t hi = v.mask.causal ? std::min(pos + 1, len) : len;
+      const int nb = hi > 0 ? int((hi + kBs - 1) / kBs) : 0;
+      for (int g = 0; g < Hkv; ++g) {
+        int32_t* list = in.topk_buf.ptr<int32_t>() + (t * Hkv + g) * K;
+        make_list(rng, nb, K, list);
+        for (int i = 0; i < K; ++i)
+          if (list[i] >= 0 && list[i] < nb)
+            slice_used[size_t(pb.page(b, list[i])) * Hkv + g] = 1;
+      }
+    }
+  in.topk = head_major_view(in.topk_buf);
+  // The cache: NaN except the rows < seq_len of used slices.
+  const int64_t esz = v.fp8 ? 1 : 2;
+  in.cache = Tensor::empty({pages, Hkv, kBs, 256}, v.fp8 ? DType::kUInt8 : DType::kBFloat16);
+  in.cache.fill_bytes(0xFF);
+  for (int b = 0; b < B; ++b)
+    for (int j = 0; j < pb.blocks[size_t(b)]; ++j) {
+      const int64_t page = pb.page(b, j);
+      const int rows = std::min(kBs, v.seq_lens[size_t(b)] - j * kBs);
+      for (int g = 0; g < Hkv; ++g) {
+        if (!slice_used[size_t(page) * Hkv + g]) continue;
+        for (int64_t i = 0; i < int64_t(rows) * 256; ++i) {
+          const uint16_t c = random_code(rng, v.fp8);
+          const int64_t o = ((page * Hkv + g) * kBs * 256 + i) * esz;
+          if (v.fp8) in.cache.ptr<uint8_t>()[o] = uint8_t(c);
+          else in.cache.ptr<uint16_t>()[o / 2] = c;
+        }
+      }
+    }
+  in.q = random_half({in.T, v.hq, 128}, DType::kBFloat16, rng, -1.f, 1.f);
+  in.k_scale = scalar_f32(v.fp8 ? 0.7f : 1.f);
+  in.v_scale = scalar_f32(v.fp8 ? 1.3f : 1.f);
+  in.cu = pb.cu_seqlens_q;
+  in.seq_lens = pb.seq_lens;
+  return in;
+}
+
+float softmax_scale() { return 1.f / std::sqrt(128.f); }
+
+KvCacheDtype cache_dtype(const MsaVariant& v) {
+  return v.fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kBFloat16;
+}
+
+// The op on `dev` with out and lse poisoned; returns them on the host.
+std::pair<Tensor, Tensor> run_msa(const MsaVariant& v, const MsaInputs& in, Device dev) {
+  Tensor q = on(in.q, dev), cache = on(in.cache, dev), ks = on(in.k_scale, dev), vs = on(in.v_scale, dev),
+         topk = on(in.topk_buf, dev), cu = on(in.cu, dev), lens = on(in.seq_lens, dev),
+         table = on(in.table, dev);
+  Tensor out = poisoned({in.T, v.hq, 128}, DType::kBFloat16, dev);
+  Tensor lse = poisoned({in.T, v.hq}, DType::kFloat32, dev);
+  const MsaKvCache c{cache, cache_dtype(v), ks, vs};
+  if (v.dql) {
+    MsaDecodePlan plan({.batch = int(v.seq_lens.size()), .decode_query_len = v.dql, .num_heads = v.hq,
+                        .num_kv_heads = v.hkv, .topk = v.topk, .max_blocks = int(in.table.view().shape[1]),
+                        .kv_cache_dtype = cache_dtype(v)},
+                       dev);
+    plan.run({.q = q, .cache = c, .topk = head_major_view(topk), .seq_lens = lens, .block_table = table,
+              .softmax_scale = softmax_scale(), .mask = v.mask, .out = out, .lse = lse});
+  } else {
+    msa_prefill({.q = q, .cache = c, .topk = head_major_view(topk), .cu_seqlens_q = cu, .seq_lens = lens,
+                 .block_table = table, .max_query_len = in.max_query_len, .softmax_scale = softmax_scale(),
+                 .mask = v.mask, .out = out, .lse = lse});
+  }
+  return {to_host(out), to_host(lse)};
+}
+
+std::string num(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.9g", x);
+  return buf;
+}
+
+// add_row with the absolute tolerance in the unit printed as %g (add_row keeps 7 characters of a
+// fixed-point number, which shows 1e-6 as 0.00000).
+void add_out_row(CheckContext& c, const Tensor& got, const Tensor& want, double ulps, double abs_tol) {
+  add_row(c, "out", got, want, DType::kBFloat16, ulps, abs_tol);
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", abs_tol);
+  c.rows.back().unit = std::string(code_unit(DType::kBFloat16)) + " or " + buf + " abs";
+}
+
+// One row for lse ([T, Hq] fp32, host) against `want`: relative error |got - want| / max(|want|, 1)
+// in ppm; -inf must match -inf exactly, NaN never passes.
+void add_lse_row(CheckContext& c, const Tensor& got, const std::vector<double>& want, double rel_tol) {
+  CheckRow row;
+  row.op = c.op;
+  row.variant = c.variant;
+  row.device = c.device.str();
+  row.output = "lse";
+  row.unit = "rel ppm";
+  row.tolerance = rel_tol / kPpm;
+  const int64_t H = got.view().shape[1];
+  int64_t failed = 0;
+  std::string first;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const double g = got.ptr<float>()[i], w = want[size_t(i)];
+    double err = 0;
+    if (std::isinf(w) || std::isinf(g)) err = g == w ? 0 : INFINITY;
+    else err = std::isnan(g) || std::isnan(w) ? INFINITY : std::fabs(g - w) / std::max(std::fabs(w), 1.0);
+    std::string where = "[";  // appended, not "[" + ...: GCC 12 warns falsely there (bug 105329)
+    where += std::to_string(i / H) + ", " + std::to_string(i % H) + "]";
+    ++row.checked;
+    if (err / kPpm > row.worst || row.where.empty()) row.worst = err / kPpm, row.where = where;
+    if (err > rel_tol && ++failed <= 5) first += where + " got " + num(g) + " want " + num(w) + "; ";
+  }
+  row.pass = failed == 0;
+  if (!row.pass)
+    row.message = std::to_string(failed) + " of " + std::to_string(row.checked) +
+                  " elements out of tolerance: " + first;
+  c.rows.push_back(row);
+}
+
+void check_msa_variant(CheckContext& c, const MsaVariant& v) {
+  MsaInputs in = make_inputs(c.rng, v);
+  c.variant = std::string(v.fp8 ? "fp8" : "bf16") + " Hq" + std::to_string(v.hq) + "/Hkv" +
+              std::to_string(v.hkv) + " k" + std::to_string(v.topk) +
+              (v.dql ? " dql" + std::to_string(v.dql) : "") + " B" + std::to_string(v.seq_lens.size()) +
+              " T" + std::to_string(in.T) + (v.mask.causal ? "" : " noncausal") +
+              (v.mask.window_left ? " w" + std::to_string(v.mask.window_left) : "");
+  const auto [out, lse] = run_msa(v, in, c.device);
+  if (c.device.is_cuda()) {
+    const auto [ref_out, ref_lse] = run_msa(v, in, Device::cpu());
+    add_out_row(c, out, ref_out, kGpuUlps, kGpuAbs);
+    add_lse_row(c, lse, std::vector<double>(ref_lse.ptr<float>(), ref_lse.ptr<float>() + ref_lse.numel()),
+                kGpuLseRel);
+    return;
+  }
+  const MsaOracle o = msa_oracle(msa_oracle_params(in.q, {in.cache, cache_dtype(v), in.k_scale, in.v_scale},
+                                                   in.topk, v.dql ? TensorView{} : in.cu.view(), in.seq_lens,
+                                                   in.table, v.dql, softmax_scale(), v.mask));
+  Tensor want = Tensor::empty({in.T, v.hq, 128}, DType::kBFloat16);
+  for (int64_t i = 0; i < want.numel(); ++i) want.ptr<uint16_t>()[i] = msa_oracle_bf16(o.out[size_t(i)]);
+  add_out_row(c, out, want, kCpuUlps, kCpuAbs);
+  add_lse_row(c, lse, o.lse, kCpuLseRel);
+}
+
+}  // namespace
+
+void check_msa_prefill(CheckContext& c) {
+  // Two requests each: a chunked prefill (seq_len > query length) and a full one.
+  check_msa_variant(c, {false, 16, 1, 16, 0, {2000, 130}, {24, 130}});
+  check_msa_variant(c, {true, 16, 4, 16, 0, {1100, 260}, {32, 150}});
+}
+
+void check_msa_decode(CheckContext& c) {
+  // seq_len 0 pads (out 0, lse -inf); 100, 90, 60 < 128; 5 < dql 8 (leading rows empty when causal).
+  check_msa_variant(c, {false, 16, 1, 16, 1, {0, 100, 3000, 1500, 129}, {}});
+  check_msa_variant(c, {true, 16, 1, 16, 8, {2300, 0, 90, 700}, {}});
+  check_msa_variant(c, {false, 16, 4, 16, 8, {1700, 60, 0, 2600}, {}});
+  check_msa_variant(c, {true, 8, 2, 16, 8, {1000, 5, 400, 0}, {}, {.causal = false, .window_left = 200}});
+}
+
+}  // namespace m3rt::detail

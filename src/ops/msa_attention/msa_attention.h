@@ -1,0 +1,52 @@
+// msa_attention: params, CPU reference and launcher. Public API: m3rt::msa_prefill and
+// m3rt::MsaDecodePlan (include/m3rt/msa_attention.h). Math, layout and decisions: README.md here.
+#pragma once
+
+#include <cstdint>
+
+struct CUstream_st;
+
+namespace m3rt {
+
+struct MsaParams {
+  const uint16_t* q;            // [T, Hq, 128] bf16: q + t * q_stride_t + h * q_stride_h
+  int64_t q_stride_t, q_stride_h;
+  const void* cache;            // [num_cache_blocks, Hkv, 128, 256] bf16 or e4m3, contiguous
+  bool fp8;
+  int64_t num_cache_blocks;     // pages outside [0, num_cache_blocks) are never read
+  const float* k_scale;         // fp8 only
+  const float* v_scale;
+  const int32_t* topk;          // [Hkv, T, topk_k]: topk + g * stride_h + t * stride_t + i * stride_k
+  int64_t topk_stride_h, topk_stride_t, topk_stride_k;
+  int topk_k;
+  const int32_t* cu_seqlens_q;  // prefill: [num_seqs + 1]; decode: nullptr
+  const int32_t* seq_lens;      // [num_seqs]
+  int num_seqs;
+  int64_t num_tokens;
+  int decode_query_len;         // decode: 1..32; prefill: 0
+  int max_query_len;            // prefill: >= every request's query length
+  const int32_t* block_table;   // [num_seqs, max_blocks], rows block_table_stride apart
+  int64_t block_table_stride;
+  int max_blocks;
+  int num_heads, num_kv_heads;  // Hq, Hkv
+  float softmax_scale;
+  bool causal;
+  int window_left;              // > 0: keys at position >= p - window_left + 1; 0: none
+  uint16_t* out;                // [T, Hq, 128] bf16: out + t * out_stride_t + h * out_stride_h
+  int64_t out_stride_t, out_stride_h;
+  float* lse;                   // optional [T, Hq]: lse + t * lse_stride_t + h
+  int64_t lse_stride_t;
+};
+
+// The request of token t and its position (as the reference and the kernels define them); false
+// for a token of no request.
+bool msa_token_position(const MsaParams& p, int64_t t, int* seq, int64_t* position);
+
+// The reference: fp32 dot products, fp64 softmax sums (the spec). Throws (before writing anything)
+// on inconsistent lengths or page ids, which the GPU cannot report.
+void msa_attention_ref(const MsaParams& p);
+
+// One launch for prefill and decode.
+void msa_attention_launch(const MsaParams& p, CUstream_st* stream);
+
+}  // namespace m3rt

@@ -65,6 +65,7 @@ int sets_beyond_l2(double bytes_per_set, int max_sets = 32);
 std::vector<BenchRow> bench_dspark_context_kv(const BenchEnv& env);
 std::vector<BenchRow> bench_qknorm_rope_kv_insert(const BenchEnv& env);
 std::vector<BenchRow> bench_lightning_indexer(BenchEnv& env);
+std::vector<BenchRow> bench_msa_attention(BenchEnv& env);
 
 // Runs every bench whose op name contains `filter`.
 std::vector<BenchRow> run_benches(BenchEnv& env, const std::string& filter);

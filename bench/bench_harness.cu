@@ -186,6 +186,10 @@ std::vector<BenchRow> run_benches(BenchEnv& env, const std::string& filter) {
     auto r = bench_lightning_indexer(env);
     rows.insert(rows.end(), r.begin(), r.end());
   }
+  if (want("msa_attention")) {
+    auto r = bench_msa_attention(env);
+    rows.insert(rows.end(), r.begin(), r.end());
+  }
   return rows;
 }
 

@@ -1,0 +1,190 @@
+// Benchmark of MSA sparse attention at M3's TP1 shape (Hq 64, Hkv 4, head dim 128, page 128,
+// topk 16), bf16 and fp8 KV caches.
+//
+// Top-k lists as the indexer writes them: the local block plus 15 distinct earlier blocks (every
+// visible block when there are at most 16), ascending. Verify (dql 8) lists share most of their
+// pages: each row takes its request's base list with two random substitutions, plus its own local
+// block. Bytes per call = the unique (request, KV head, page) slices selected (each page slice is
+// 128 x 256 x 1 or 2 bytes) + q + out; decode is reported against the copy ceiling measured in the
+// run. Prefill FLOPs = 4 x 128 per (token, query head, visible key of a selected block) (QK^T and
+// PV), against the bf16 GEMM rate measured in the run. Inputs rotate over sets larger than 3x L2
+// (disjoint page ranges of one cache); graph replays.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <set>
+
+#include "bench.h"
+#include "core/cuda_check.h"
+#include "m3rt/msa_attention.h"
+
+namespace m3rt::bench {
+
+namespace {
+
+constexpr int kHq = 64, kHkv = 4, kTopk = 16, kPageTokens = 128;
+
+// A list for a row that sees nb blocks: the local block, then distinct earlier blocks; ascending.
+std::vector<int32_t> indexer_like_list(std::mt19937_64& rng, int nb) {
+  std::vector<int32_t> ids;
+  if (nb <= kTopk) {
+    for (int j = 0; j < nb; ++j) ids.push_back(j);
+  } else {
+    std::set<int32_t> pick{nb - 1};
+    while (int(pick.size()) < kTopk) pick.insert(int32_t(rng() % uint64_t(nb - 1)));
+    ids.assign(pick.begin(), pick.end());
+  }
+  ids.resize(kTopk, -1);
+  return ids;
+}
+
+struct Batch {
+  Tensor cache, q, out, lens, table, topk, cu;  // topk: token-major [T, Hkv, K]
+  TensorView topk_view;                         // [Hkv, T, K]
+  double unique_slices = 0;                     // (request, KV head, page) slices selected
+  double flops = 0;
+};
+
+// `sets` batches over disjoint page ranges of one cache of `pages_per_set * sets` pages.
+std::vector<Batch> make_sets(std::mt19937_64& rng, bool fp8, int B, int ctx, int dql, int q_len, int sets) {
+  const int nb = ctx / kPageTokens;
+  const int64_t pages_per_set = int64_t(B) * nb;
+  const int rows_per_req = dql ? dql : q_len;
+  const int64_t T = int64_t(B) * rows_per_req;
+  Tensor cache = Tensor::empty({pages_per_set * sets, kHkv, kPageTokens, 256}, fp8 ? DType::kUInt8 : DType::kBFloat16,
+                               Device::cuda());
+  if (fp8) {
+    M3RT_CUDA_CHECK(cudaMemset(cache.data(), 0x3a, size_t(cache.nbytes())));  // e4m3 1.25: finite, not zero
+  } else {
+    fill_uniform_bf16(cache.data(), cache.numel(), 17, -1.f, 1.f);
+  }
+  std::vector<Batch> out(static_cast<size_t>(sets));
+  for (int s = 0; s < sets; ++s) {
+    Batch& bt = out[size_t(s)];
+    bt.cache = cache;
+    std::vector<int32_t> perm(static_cast<size_t>(pages_per_set));
+    std::iota(perm.begin(), perm.end(), int32_t(pages_per_set * s));
+    std::shuffle(perm.begin(), perm.end(), rng);
+    Tensor table = Tensor::empty({B, nb}, DType::kInt32), topk = Tensor::empty({T, kHkv, kTopk}, DType::kInt32);
+    std::copy(perm.begin(), perm.end(), table.ptr<int32_t>());
+    for (int b = 0; b < B; ++b)
+      for (int g = 0; g < kHkv; ++g) {
+        std::set<int32_t> unique;
+        const std::vector<int32_t> base = indexer_like_list(rng, nb);
+        for (int r = 0; r < rows_per_req; ++r) {
+          const int64_t pos = int64_t(ctx) - rows_per_req + r;
+          const int row_nb = int(pos / kPageTokens) + 1;
+          std::vector<int32_t> ids;
+          if (dql > 1 && row_nb > kTopk) {  // verify: the base list, two substitutions, own local block
+            std::set<int32_t> pick(base.begin(), base.end());
+            pick.erase(-1);
+            pick.erase(nb - 1);
+            for (int k = 0; k < 2 && !pick.empty(); ++k) pick.erase(std::next(pick.begin(), long(rng() % pick.size())));
+            while (int(pick.size()) < kTopk - 1) pick.insert(int32_t(rng() % uint64_t(row_nb - 1)));
+            pick.insert(row_nb - 1);
+            ids.assign(pick.begin(), pick.end());
+            ids.resize(kTopk, -1);
+          } else {
+            ids = indexer_like_list(rng, row_nb);
+          }
+          const int64_t t = int64_t(b) * rows_per_req + r;
+          std::copy(ids.begin(), ids.end(), topk.ptr<int32_t>() + (t * kHkv + g) * kTopk);
+          for (int32_t id : ids) {
+            if (id < 0) continue;
+            unique.insert(id);
+            const int64_t keys = std::min<int64_t>(kPageTokens, pos + 1 - int64_t(id) * kPageTokens);
+            bt.flops += double(keys) * 128 * 4 * (kHq / kHkv);
+          }
+        }
+        bt.unique_slices += double(unique.size());
+      }
+    bt.table = table.to(Device::cuda());
+    bt.topk = topk.to(Device::cuda());
+    bt.topk_view = bt.topk.view();
+    bt.topk_view.shape[0] = kHkv, bt.topk_view.shape[1] = T;
+    bt.topk_view.stride[0] = kTopk, bt.topk_view.stride[1] = int64_t(kHkv) * kTopk;
+    Tensor lens = Tensor::empty({B}, DType::kInt32), cu = Tensor::empty({B + 1}, DType::kInt32);
+    for (int b = 0; b < B; ++b) lens.ptr<int32_t>()[b] = ctx;
+    for (int b = 0; b <= B; ++b) cu.ptr<int32_t>()[b] = b * rows_per_req;
+    bt.lens = lens.to(Device::cuda());
+    bt.cu = cu.to(Device::cuda());
+    bt.q = Tensor::empty({T, kHq, 128}, DType::kBFloat16, Device::cuda());
+    fill_uniform_bf16(bt.q.data(), bt.q.numel(), 50 + uint64_t(s), -1.f, 1.f);
+    bt.out = Tensor::empty({T, kHq, 128}, DType::kBFloat16, Device::cuda());
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
+  std::vector<BenchRow> rows;
+  std::mt19937_64 rng(5);
+  const float scale = 0.08838834764831845f;  // 1 / sqrt(128)
+  Tensor ks = Tensor::empty({1}, DType::kFloat32), vs = Tensor::empty({1}, DType::kFloat32);
+  *ks.ptr<float>() = 1.f;
+  *vs.ptr<float>() = 1.f;
+  const Tensor ksd = ks.to(Device::cuda()), vsd = vs.to(Device::cuda());
+  struct Case {
+    int B, ctx, dql;
+  };
+  std::vector<Case> decode_cases;
+  for (int ctx : {32768, 131072})
+    for (int B : env.quick ? std::vector<int>{32} : std::vector<int>{1, 32, 128}) decode_cases.push_back({B, ctx, 1});
+  decode_cases.push_back({32, 32768, 8});  // verify
+  for (bool fp8 : {false, true}) {
+    const KvCacheDtype kd = fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;
+    for (const Case& c : decode_cases) {
+      const int nb = c.ctx / kPageTokens;
+      const double slice_bytes = double(kPageTokens) * 256 * (fp8 ? 1 : 2);
+      const double per_token_io = double(kHq) * 128 * 2 * 2;  // q in, out
+      const double est = double(c.B) * kHkv * kTopk * slice_bytes;
+      const int sets = sets_beyond_l2(est, 8);
+      std::vector<Batch> batch = make_sets(rng, fp8, c.B, c.ctx, c.dql, 0, sets);
+      MsaDecodePlan plan({c.B, c.dql, kHq, kHkv, kTopk, nb, kd}, Device::cuda());
+      auto call = [&](int s, CUstream_st* st) {
+        const Batch& bt = batch[size_t(s)];
+        plan.run({.q = bt.q, .cache = {bt.cache, kd, ksd, vsd}, .topk = bt.topk_view, .seq_lens = bt.lens,
+                  .block_table = bt.table, .softmax_scale = scale, .out = bt.out}, st);
+      };
+      BenchRow r;
+      r.op = "msa_attention";
+      r.variant = std::string(c.dql > 1 ? "verify dql8 " : "decode ") + (fp8 ? "fp8" : "bf16") + " B" +
+                  std::to_string(c.B) + " ctx" + std::to_string(c.ctx / 1024) + "K";
+      r.us = time_us(call, sets, true, env);
+      r.bytes = batch[0].unique_slices * slice_bytes + double(c.B) * c.dql * per_token_io;
+      r.gbps = r.bytes / (r.us * 1e3);
+      r.pct_ceiling = 100.0 * r.gbps / env.copy_gbps;
+      r.note = "baseline kernel (CTA per token x KV head)";
+      rows.push_back(r);
+    }
+  }
+  if (env.gemm_tflops == 0) env.gemm_tflops = measure_gemm_tflops();
+  for (bool fp8 : {false, true}) {
+    const KvCacheDtype kd = fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;
+    for (int L : env.quick ? std::vector<int>{8192} : std::vector<int>{8192, 32768}) {
+      std::vector<Batch> batch = make_sets(rng, fp8, 1, L, 0, L, 1);
+      const Batch& bt = batch[0];
+      const MsaPrefillArgs a{.q = bt.q, .cache = {bt.cache, kd, ksd, vsd}, .topk = bt.topk_view,
+                             .cu_seqlens_q = bt.cu, .seq_lens = bt.lens, .block_table = bt.table,
+                             .max_query_len = L, .softmax_scale = scale, .out = bt.out};
+      auto call = [&](int, CUstream_st* st) { msa_prefill(a, st); };
+      BenchRow r;
+      r.op = "msa_attention";
+      r.variant = std::string("prefill ") + (fp8 ? "fp8" : "bf16") + " " + std::to_string(L / 1024) + "K";
+      r.us = time_us(call, 1, true, env, 3);
+      r.tflops = bt.flops / (r.us * 1e6);
+      r.ceiling = "gemm";
+      r.pct_ceiling = 100.0 * r.tflops / env.gemm_tflops;
+      r.bytes = bt.unique_slices * double(kPageTokens) * 256 * (fp8 ? 1 : 2);
+      r.gbps = r.bytes / (r.us * 1e3);
+      r.note = "baseline kernel; " + std::to_string(int(r.tflops)) + " TFLOP/s effective";
+      rows.push_back(r);
+    }
+  }
+  return rows;
+}
+
+}  // namespace m3rt::bench

@@ -3,7 +3,6 @@
 // k[d], one rounding per product and per add); the loops run over keys innermost, so the compiler
 // may vectorize across keys but never reorders a sum.
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -23,14 +22,13 @@ constexpr int kDim = 128;  // index dim
 
 std::string str(int64_t v) { return std::to_string(v); }
 
-
-// Rejects lengths and page ids the kernels cannot report (they are device-resident): called before
-// anything is written.
 RequestLayout layout(const IndexerParams& p) {
   return {p.cu_seqlens_q, p.seq_lens, p.num_seqs, p.num_tokens, p.decode_query_len, p.max_query_len,
           p.max_blocks};
 }
 
+// Rejects lengths and page ids the kernels cannot report (they are device-resident): called before
+// anything is written.
 void check_indices(const IndexerParams& p) {
   check_request_layout(kOp, layout(p), "the index_q rows");
   for (int b = 0; b < p.num_seqs; ++b) {

@@ -10,7 +10,6 @@
 // A row with no key writes out = 0 and lse = -inf. NaN inputs propagate (a NaN score never becomes
 // the max, so its weight and the row turn NaN).
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -63,13 +62,13 @@ int used_ids(const MsaParams& p, int64_t t, int g, int64_t nb, std::vector<int>&
 
 int64_t visible_blocks(int64_t hi) { return hi > 0 ? (hi + kBs - 1) / kBs : 0; }
 
-// Rejects lengths and page ids the kernels cannot report (they are device-resident): called before
-// anything is written.
 RequestLayout layout(const MsaParams& p) {
   return {p.cu_seqlens_q, p.seq_lens, p.num_seqs, p.num_tokens, p.decode_query_len, p.max_query_len,
           p.max_blocks};
 }
 
+// Rejects lengths and page ids the kernels cannot report (they are device-resident): called before
+// anything is written.
 void check_indices(const MsaParams& p) {
   check_request_layout(kOp, layout(p), "the q rows");
   // Every page a used top-k entry points at (ids < the row's visible blocks <= max_blocks).

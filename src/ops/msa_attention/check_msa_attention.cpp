@@ -228,9 +228,9 @@ void check_msa_variant(CheckContext& c, const MsaVariant& v) {
                 kGpuLseRel);
     return;
   }
-  const MsaOracle o = msa_oracle(msa_oracle_params(in.q, {in.cache, cache_dtype(v), in.k_scale, in.v_scale},
-                                                   in.topk, v.dql ? TensorView{} : in.cu.view(), in.seq_lens,
-                                                   in.table, v.dql, softmax_scale(), v.mask));
+  const MsaOracle o = msa_oracle(msa_call_params(in.q, {in.cache, cache_dtype(v), in.k_scale, in.v_scale},
+                                                 in.topk, v.dql ? TensorView{} : in.cu.view(), in.seq_lens,
+                                                 in.table, v.dql, 0, softmax_scale(), v.mask));
   Tensor want = Tensor::empty({in.T, v.hq, 128}, DType::kBFloat16);
   for (int64_t i = 0; i < want.numel(); ++i) want.ptr<uint16_t>()[i] = msa_oracle_bf16(o.out[size_t(i)]);
   add_out_row(c, out, want, kCpuUlps, kCpuAbs);

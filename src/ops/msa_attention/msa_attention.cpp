@@ -92,44 +92,57 @@ MsaParams check_and_fill(Device dev, const TensorView& q, const MsaKvCache& c, c
     require_aligned16(kOp, "out", out);
   }
 
+  return msa_call_params(q, c, topk, TensorView{}, seq_lens, block_table, 0, 0, softmax_scale, mask, out, lse);
+}
+
+}  // namespace
+
+MsaParams msa_call_params(const TensorView& q, const MsaKvCache& cache, const TensorView& topk,
+                          const TensorView& cu_seqlens_q, const TensorView& seq_lens,
+                          const TensorView& block_table, int decode_query_len, int max_query_len,
+                          float softmax_scale, const MsaMask& mask, const TensorView& out,
+                          const TensorView& lse) {
   MsaParams p{};
   p.q = q.ptr<const uint16_t>();
   p.q_stride_t = q.stride[0];
   p.q_stride_h = q.stride[1];
-  p.cache = c.kv_cache.data;
-  p.fp8 = geo.fp8;
-  p.num_cache_blocks = geo.num_blocks;
-  if (geo.fp8) {
-    p.k_scale = c.k_scale.ptr<const float>();
-    p.v_scale = c.v_scale.ptr<const float>();
+  p.cache = cache.kv_cache.data;
+  p.fp8 = kv_cache_is_fp8(cache.kv_cache_dtype);
+  p.num_cache_blocks = cache.kv_cache.shape[0];
+  if (p.fp8) {
+    p.k_scale = cache.k_scale.ptr<const float>();
+    p.v_scale = cache.v_scale.ptr<const float>();
   }
   p.topk = topk.ptr<const int32_t>();
   p.topk_stride_h = topk.stride[0];
   p.topk_stride_t = topk.stride[1];
   p.topk_stride_k = topk.stride[2];
   p.topk_k = int(topk.shape[2]);
+  p.cu_seqlens_q = cu_seqlens_q.defined() ? cu_seqlens_q.ptr<const int32_t>() : nullptr;
   p.seq_lens = seq_lens.ptr<const int32_t>();
-  p.num_seqs = B;
-  p.num_tokens = T;
+  p.num_seqs = int(seq_lens.shape[0]);
+  p.num_tokens = q.shape[0];
+  p.decode_query_len = p.cu_seqlens_q ? 0 : decode_query_len;
+  p.max_query_len = max_query_len;
   p.block_table = block_table.ptr<const int32_t>();
-  p.block_table_stride = B > 1 ? block_table.stride[0] : block_table.shape[1];
+  p.block_table_stride = p.num_seqs > 1 ? block_table.stride[0] : block_table.shape[1];
   p.max_blocks = int(block_table.shape[1]);
-  p.num_heads = hq;
-  p.num_kv_heads = hkv;
+  p.num_heads = int(q.shape[1]);
+  p.num_kv_heads = int(cache.kv_cache.shape[1]);
   p.softmax_scale = softmax_scale;
   p.causal = mask.causal;
   p.window_left = mask.window_left;
-  p.out = out.ptr<uint16_t>();
-  p.out_stride_t = out.stride[0];
-  p.out_stride_h = out.stride[1];
+  if (out.defined()) {
+    p.out = out.ptr<uint16_t>();
+    p.out_stride_t = out.stride[0];
+    p.out_stride_h = out.stride[1];
+  }
   if (lse.defined()) {
     p.lse = lse.ptr<float>();
     p.lse_stride_t = lse.stride[0];
   }
   return p;
 }
-
-}  // namespace
 
 void msa_prefill(const MsaPrefillArgs& a, stream_t stream) {
   using namespace detail;

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "m3rt/msa_attention.h"
+
 struct CUstream_st;
 
 namespace m3rt {
@@ -37,6 +39,15 @@ struct MsaParams {
   float* lse;                   // optional [T, Hq]: lse + t * lse_stride_t + h
   int64_t lse_stride_t;
 };
+
+// The params of one call over its tensors (no checks: the ops validate before they build them;
+// checks and tests use this on host tensors). cu_seqlens_q undefined: decode with decode_query_len
+// rows per request. Undefined out / lse leave those pointers null.
+MsaParams msa_call_params(const TensorView& q, const MsaKvCache& cache, const TensorView& topk,
+                          const TensorView& cu_seqlens_q, const TensorView& seq_lens,
+                          const TensorView& block_table, int decode_query_len, int max_query_len,
+                          float softmax_scale, const MsaMask& mask, const TensorView& out = {},
+                          const TensorView& lse = {});
 
 // The request of token t and its position (as the reference and the kernels define them); false
 // for a token of no request.

@@ -29,17 +29,10 @@ struct MsaOracle {
   int64_t keys_at(int64_t t, int h) const { return keys[size_t(t * num_heads + h)]; }
 };
 
-// The oracle of the call `p` describes. `p` must point at HOST copies of the inputs (q, cache,
+// The oracle of the call `p` describes (msa_call_params over host tensors). `p` must point at HOST copies of the inputs (q, cache,
 // scales, topk, cu_seqlens_q, seq_lens, block_table), consistent (what msa_attention_ref accepts);
 // p.out and p.lse are not read.
 MsaOracle msa_oracle(const MsaParams& p);
-
-// The params of a call over HOST tensors, for msa_oracle (out and lse left null). cu_seqlens_q
-// undefined: decode with decode_query_len rows per request.
-MsaParams msa_oracle_params(const TensorView& q, const MsaKvCache& cache, const TensorView& topk,
-                            const TensorView& cu_seqlens_q, const TensorView& seq_lens,
-                            const TensorView& block_table, int decode_query_len, float softmax_scale,
-                            const MsaMask& mask);
 
 // bf16 of a double, rounded once (to nearest, ties to even), by comparing the two neighbours in
 // double.

@@ -163,7 +163,7 @@ struct Problem {
   }
   detail::MsaOracle oracle() const {
     const TensorView cu_view = dql ? TensorView{} : cu.view();
-    return detail::msa_oracle(detail::msa_oracle_params(q, kv(), topk, cu_view, lens, table, dql, scale, mask));
+    return detail::msa_oracle(msa_call_params(q, kv(), topk, cu_view, lens, table, dql, 0, scale, mask));
   }
 };
 

@@ -304,17 +304,23 @@ TEST(QknormRopeKvInsertCpu, Fp8IndexEqualsCastOfBf16Index) {
 
 // ---- argument validation ------------------------------------------------------------------------
 
+// The dense part of the validation calls: T 3, nq 2, nkv 1, rotary 64, max_pos 16, a qkv row of
+// `heads` 128-dim heads.
+void dense_args(CallBase& c, m3rt::QknormRopeKvInsertArgs& a, int heads) {
+  a.qkv = c.make({3, heads * 128}, DType::kBFloat16);
+  a.q_norm_weight = c.make({128}, DType::kBFloat16);
+  a.k_norm_weight = c.make({128}, DType::kBFloat16);
+  a.cos_sin_cache = c.make({16, 64}, DType::kBFloat16);
+  a.positions = c.make({3}, DType::kInt64);
+  a.num_heads = 2;
+  a.num_kv_heads = 1;
+  a.rotary_dim = 64;
+}
+
 struct QkCall : CallBase {  // T 3, nq 2, nkv 1, rotary 64, max_pos 16
   m3rt::QknormRopeKvInsertArgs a;
   QkCall() {
-    a.qkv = make({3, 4 * 128}, DType::kBFloat16);
-    a.q_norm_weight = make({128}, DType::kBFloat16);
-    a.k_norm_weight = make({128}, DType::kBFloat16);
-    a.cos_sin_cache = make({16, 64}, DType::kBFloat16);
-    a.positions = make({3}, DType::kInt64);
-    a.num_heads = 2;
-    a.num_kv_heads = 1;
-    a.rotary_dim = 64;
+    dense_args(*this, a, 4);
     a.q_fp8_out = make({3, 256}, DType::kUInt8);
     a.kv_cache = make({2, 1, 16, 256}, DType::kUInt8);
     a.kv_cache_dtype = KvCacheDtype::kFp8E4M3;
@@ -356,14 +362,7 @@ TEST(QknormRopeArgs, BadArguments) {
 struct QkSparseCall : CallBase {
   m3rt::QknormRopeKvInsertArgs a;
   QkSparseCall() {
-    a.qkv = make({3, 7 * 128}, DType::kBFloat16);
-    a.q_norm_weight = make({128}, DType::kBFloat16);
-    a.k_norm_weight = make({128}, DType::kBFloat16);
-    a.cos_sin_cache = make({16, 64}, DType::kBFloat16);
-    a.positions = make({3}, DType::kInt64);
-    a.num_heads = 2;
-    a.num_kv_heads = 1;
-    a.rotary_dim = 64;
+    dense_args(*this, a, 7);
     a.num_index_heads = 2;
     a.index_q_norm_weight = make({128}, DType::kBFloat16);
     a.index_k_norm_weight = make({128}, DType::kBFloat16);

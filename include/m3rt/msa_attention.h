@@ -73,8 +73,9 @@ struct MsaDecodeArgs {
 };
 
 // What a decode plan is built for: calls must match it (checked), so graphs captured with a plan
-// replay with the same grid. Built once per shape, outside capture; owns any scratch at a stable
-// address; run() allocates nothing and never synchronizes.
+// replay with the same grid. Built once per shape on its device, outside capture; on a GPU it picks
+// how many CTAs share each request's pages (from the device's size) and owns their fp32 partials
+// at a stable address; run() allocates nothing and never synchronizes.
 struct MsaDecodeShape {
   int batch = 0;               // requests per call
   int decode_query_len = 1;    // 1..32
@@ -100,8 +101,10 @@ class MsaDecodePlan {
   static std::string validate(const MsaDecodeShape& shape);
 
  private:
+  struct Scratch;  // GPU split scratch (partials, arrival counters), allocated at construction
   MsaDecodeShape shape_;
   Device device_;
+  std::unique_ptr<Scratch> scratch_;
 };
 
 }  // namespace m3rt

@@ -1,5 +1,6 @@
-// The `m3rt check` rows of MSA sparse attention: msa_prefill (varlen, chunked prefill) and
-// msa_decode (decode_query_len 1 and 8, padded requests, a non-causal windowed variant).
+// The `m3rt check` rows of MSA sparse attention: msa_prefill (varlen, chunked prefill; groups 16,
+// 4, 1, 8) and msa_decode (decode_query_len 1, 2, 8 and 32, groups 16, 4, 8, 2, 1, topk 16 and 64,
+// padded requests, a non-causal windowed variant).
 // Inputs: q random bf16 in [-1, 1]; cache codes random; shuffled block tables; top-k lists made
 // like the indexer's (unique ascending ids of visible blocks, the local block last, then -1) with
 // -1 holes, repeated ids and ids past the visible blocks inserted in some rows. Every (page, KV head)
@@ -243,6 +244,9 @@ void check_msa_prefill(CheckContext& c) {
   // Two requests each: a chunked prefill (seq_len > query length) and a full one.
   check_msa_variant(c, {false, 16, 1, 16, 0, {2000, 130}, {24, 130}});
   check_msa_variant(c, {true, 16, 4, 16, 0, {1100, 260}, {32, 150}});
+  // Groups 1 and 8 (GPU row groups of 32 and 16 tokens).
+  check_msa_variant(c, {false, 4, 4, 8, 0, {700, 300}, {200, 40}});
+  check_msa_variant(c, {true, 16, 2, 16, 0, {900}, {77}});
 }
 
 void check_msa_decode(CheckContext& c) {
@@ -251,6 +255,10 @@ void check_msa_decode(CheckContext& c) {
   check_msa_variant(c, {true, 16, 1, 16, 8, {2300, 0, 90, 700}, {}});
   check_msa_variant(c, {false, 16, 4, 16, 8, {1700, 60, 0, 2600}, {}});
   check_msa_variant(c, {true, 8, 2, 16, 8, {1000, 5, 400, 0}, {}, {.causal = false, .window_left = 200}});
+  // Groups 8, 2 and 1; dql 32 (two GPU row groups per request), 2 and 1; topk 64.
+  check_msa_variant(c, {true, 16, 2, 16, 32, {1300, 40}, {}});
+  check_msa_variant(c, {false, 4, 2, 64, 2, {3000, 70, 9000}, {}});
+  check_msa_variant(c, {false, 2, 2, 16, 1, {500, 260}, {}});
 }
 
 }  // namespace m3rt::detail

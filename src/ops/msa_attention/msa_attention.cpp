@@ -171,11 +171,32 @@ std::string MsaDecodePlan::validate(const MsaDecodeShape& s) {
   return {};
 }
 
-MsaDecodePlan::MsaDecodePlan(const MsaDecodeShape& shape, Device device) : shape_(shape), device_(device) {
+struct MsaDecodePlan::Scratch {
+  int splits = 1;
+  Tensor part_o, part_ml, counters;
+};
+
+MsaDecodePlan::MsaDecodePlan(const MsaDecodeShape& shape, Device device)
+    : shape_(shape), device_(device), scratch_(std::make_unique<Scratch>()) {
   if (const std::string why = validate(shape); !why.empty())
     throw Error(std::string(kOp) + ": unsupported MsaDecodeShape: " + why);
-  if (device.is_cuda() && !built_with_cuda())
-    throw_arg_error(kOp, "device", device.str(), "m3rt was built without CUDA");
+  if (!device.is_cuda()) return;
+  if (!built_with_cuda()) throw_arg_error(kOp, "device", device.str(), "m3rt was built without CUDA");
+#ifdef M3RT_WITH_CUDA
+  detail::DeviceGuard guard(device.index);
+  const MsaDecodeShape& s = shape;
+  const int G = s.num_heads / s.num_kv_heads;
+  scratch_->splits =
+      msa_decode_splits(s.batch, s.decode_query_len, s.num_heads, s.num_kv_heads, s.topk, s.max_blocks);
+  if (scratch_->splits > 1) {
+    const int64_t pairs = msa_decode_groups(s.batch, s.decode_query_len, G) * s.num_kv_heads;
+    const int64_t rows = msa_group_rows(G, msa_group_tokens(G, s.decode_query_len));
+    scratch_->part_o = Tensor::empty({pairs * scratch_->splits * rows, kHeadDim}, DType::kFloat32, device);
+    scratch_->part_ml = Tensor::empty({pairs * scratch_->splits * rows, 2}, DType::kFloat32, device);
+    scratch_->counters = Tensor::empty({pairs}, DType::kInt32, device);
+    scratch_->counters.fill_bytes(0);
+  }
+#endif
 }
 
 MsaDecodePlan::~MsaDecodePlan() = default;
@@ -205,6 +226,12 @@ void MsaDecodePlan::run(const MsaDecodeArgs& a, stream_t stream) {
              kv_cache_dtype_name(s.kv_cache_dtype));
   if (p.num_tokens == 0) return;
   p.decode_query_len = s.decode_query_len;
+  if (scratch_->splits > 1) {
+    p.num_splits = scratch_->splits;
+    p.part_o = scratch_->part_o.ptr<float>();
+    p.part_ml = scratch_->part_ml.ptr<float>();
+    p.counters = scratch_->counters.ptr<int>();
+  }
   run_on_device(kOp, dev, p, msa_attention_ref, M3RT_LAUNCHER(msa_attention_launch), stream);
 }
 

@@ -1,205 +1,820 @@
-// msa_attention kernel, first (correctness) version: one CTA per (query token, KV head) over the
-// token's selected blocks, the group's G query heads together, online softmax in fp32.
+// msa_attention tensor-core kernel (sm_80+, tuned on the H200): one kernel for prefill, decode and
+// speculative verify.
 //
 //   q      [T, Hq, 128] bf16            out [T, Hq, 128] bf16, lse [T, Hq] fp32 (natural log)
 //   cache  [num_blocks, Hkv, 128, 256]  bf16 or e4m3: K in [..., :128], V in [..., 128:]
 //   topk   [Hkv, T, K] int32 (strided)  logical block ids of the token's request
 //
-// Per block (128 keys): thread j scores key j against the G heads (its K row from global memory,
-// the queries from shared memory), the block's per-head max rescales the running sums, then thread
-// d accumulates dim d of every head's P V. fp8 descales fold into the softmax scale (k) and the
-// output (v). Used entries, masks and empty rows follow the reference (msa_attention_ref.cpp); a
-// page id outside the cache is skipped, and a token whose request lengths are inconsistent is left
-// unwritten (the CPU path throws for both). Performance kernels (split-K decode, page-major verify
-// and prefill on tensor cores) are the next step; this one is the correctness baseline.
+// A CTA serves a *row group* (up to msa_group_tokens consecutive query tokens of one request, with
+// all G query heads of one KV head: at most 128 rows, token-major) and, in split decode, one slice
+// of the group's pages:
+//  1. Resolve the group's request, each token's position and visible key range [lo, hi).
+//  2. Gather the tokens' top-k entries; drop the skipped ones (-1, past the token's visible blocks,
+//     a page outside the cache); sort (id, token, page) with a bitonic sort in shared memory; the
+//     union of pages is the sorted unique ids, each with a bitmask of the tokens that selected it.
+//     So each (request, KV head, page) is read once per group however many tokens chose it.
+//  3. Pages go through the pipeline as 64-key chunks (cp.async, 128-byte XOR swizzle, keys at or
+//     past seq_len zero-filled so a garbage V never meets a zero weight); a chunk no token sees is
+//     not loaded.
+//  4. Four warps: each 16-row MMA tile of the group is owned by a warp; when there are fewer than 4
+//     tiles the warps split a chunk's keys instead (KS = 4, 2 or 1 key parts). Per 16 keys: S = Q K^T
+//     on m16n8k16 (bf16; e4m3 keys converted exactly to bf16), masked (token not in the page's mask,
+//     key outside [lo, hi)), online softmax in base 2, O += P V with P split into a 16-bit value and
+//     its 16-bit residue (bf16 for bf16 V; f16 and exact f16 V for e4m3). Tiles whose tokens did not select the chunk are skipped.
+//  5. Key parts merge through shared memory in a fixed order; the group's (O, max, sum) either
+//     becomes the output (one split) or a partial in the plan's scratch, and the last split to
+//     arrive (a per-(group, KV head) counter that it resets) merges the splits in split order.
+// Everything is deterministic: replays give the same bits.
+//
+// Fragment maps (g = lane / 4, c = lane % 4). The dot product over the 128 dims and the sum over
+// keys do not depend on order, so the kernel picks maps that make every shared-memory read a
+// plain vector load:
+//  - QK^T k-step s: logical k (2c, 2c+1 | 2c+8, 2c+9) = physical dims 16s + 4c + (0, 1 | 2, 3), for
+//    Q (A) and K (B) alike: one 8-byte load (bf16) or 4-byte load (e4m3) per fragment.
+//  - P V n-tile j: logical column n = physical dim 16n + j, so lane g reads dims 16g..16g+15 of its
+//    four key rows with 16-byte loads; its accumulators hold row dims 32c + j and 32c + 16 + j.
+//
+// Reference: msa_attention_ref.cpp; checks: check_msa_attention.cpp, tests/test_gpu.cu; bench:
+// bench_msa_attention.cu; design and numbers: README.md.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 #include "core/cuda_check.h"
 #include "m3rt/error.h"
+#include "ops/common/head_math.cuh"
 #include "ops/msa_attention/msa_attention.h"
 
 namespace m3rt {
 namespace {
 
+using kernels::cp_async_commit;
+using kernels::cp_async_wait;
+
 constexpr int kPage = 128;
-constexpr int kThreads = 128;  // one key per thread when scoring, one dim per thread when summing
-constexpr int kMaxGroup = 16;
-constexpr int kMaxTopk = 64;
+constexpr int kChunkKeys = 64;  // keys per pipeline stage
+constexpr int kMaxTokens = 32;  // tokens per group (32-bit token masks)
+constexpr int kMaxSplits = 16;
+constexpr unsigned kFull = 0xffffffffu;
+constexpr uint64_t kNoEntry = ~uint64_t(0);
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 
-__device__ __forceinline__ float bf16_bits_to_float(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
+// ------------------------------------------------------------------------------------------------
+// Shared memory. `area` holds the chunk stages and, after the loop, the group's fp32 output rows
+// (one plane per key part: KS x tiles <= 4, or 8 tiles of the 8-warp kernel, fit in it).
+struct SmemLayout {
+  int stage_bytes, stages, rows, n_pad, u_cap;
+  int q_off, keys_off, uniq_off, tok_off, ml_off, misc_off, total;
+};
 
-__device__ __forceinline__ float e4m3_to_f32(uint8_t code) {
-  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3);
-  return __half2float(__half(h));
+__host__ __device__ inline int next_pow2(int n) {
+  int p = 1;
+  while (p < n) p <<= 1;
+  return p;
 }
 
-__global__ void __launch_bounds__(kThreads) msa_attention_kernel(const __grid_constant__ MsaParams p) {
-  __shared__ float q_s[kMaxGroup][128];
-  __shared__ float prob[kMaxGroup][kPage];  // this block's exp(s - m) per head and key
-  __shared__ float head_max[kMaxGroup], head_scale[kMaxGroup], head_sum[kMaxGroup];
-  __shared__ int used_page[kMaxTopk], used_id[kMaxTopk];
-  __shared__ int num_used, key_lo, key_hi;
-  __shared__ bool valid_token;
-  const int64_t t = blockIdx.x;
-  const int g = blockIdx.y;
+__host__ __device__ inline SmemLayout smem_layout(bool fp8, int stages, int group_tokens, int group_size, int topk,
+                                                  int max_blocks, int warps) {
+  SmemLayout l{};
+  l.stage_bytes = kChunkKeys * (fp8 ? 256 : 512);
+  l.stages = stages;
+  l.rows = msa_group_rows(group_size, group_tokens);
+  const int n = group_tokens * topk;
+  l.n_pad = next_pow2(n);
+  l.u_cap = n < max_blocks ? n : max_blocks;
+  const int area = stages * l.stage_bytes > l.rows * 512 ? stages * l.stage_bytes : l.rows * 512;
+  l.q_off = area;
+  l.keys_off = l.q_off + l.rows * 256;
+  l.uniq_off = l.keys_off + ((l.n_pad * 8 + 15) / 16) * 16;
+  l.tok_off = l.uniq_off + l.u_cap * 16;                  // int4 {id, page, mask half 0, mask half 1}
+  l.ml_off = l.tok_off + kMaxTokens * 16;                 // per token: int4 {lo, hi, nbv, -}
+  // key-part (m, l) [warps][rows], merged (m, l) [rows], split weights [kMaxSplits][rows]
+  l.misc_off = l.ml_off + warps * l.rows * 8 + l.rows * 8 + kMaxSplits * l.rows * 4;
+  l.total = l.misc_off + 64;
+  return l;
+}
+
+// XOR swizzle of the 16-byte pieces of a row (see the bank analysis in README.md): bf16 rows (K, V,
+// Q; 512 or 256 bytes) and e4m3 rows (256 bytes).
+__device__ __forceinline__ int swz_bf16(int r) {
+  return ((r >> 1) & 1) | ((r & 1) << 1) | ((((r >> 1) ^ (r >> 2)) & 1) << 2);
+}
+__device__ __forceinline__ int swz_e4m3(int r) { return r & 7; }
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// cp.async of 16 bytes; src_bytes 0 writes zeros without reading.
+__device__ __forceinline__ void cp_async_16z(void* smem, const void* gmem, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_wait_dyn(int pending) {
+  switch (pending) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 5: cp_async_wait<5>(); break;
+    case 6: cp_async_wait<6>(); break;
+    default: cp_async_wait<7>(); break;
+  }
+}
+
+__device__ __forceinline__ uint2 lds64(const char* p) { return *reinterpret_cast<const uint2*>(p); }
+__device__ __forceinline__ uint32_t lds32(const char* p) { return *reinterpret_cast<const uint32_t*>(p); }
+__device__ __forceinline__ uint4 lds128(const char* p) { return *reinterpret_cast<const uint4*>(p); }
+
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
+  return uint32_t(h.x) | (uint32_t(h.y) << 16);
+}
+// Exact: every e4m3 value is a bf16 value.
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two) {
+  const uint32_t h = e4m3x2_to_f16x2(two);
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+template <bool kF16>
+__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+  if constexpr (kF16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// Two weights as a 16-bit pair plus the pair of their rounding residues (hi + lo carries about 16
+// bits: P V through one bf16 P would lose up to 2^-9 of each weight, more than the output tolerance
+// allows for rows with a few keys of very different values).
+template <bool kF16>
+__device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  if constexpr (kF16) {
+    const __half2 h = __floats2half2_rn(x0, x1);
+    const float2 f = __half22float2(h);
+    const __half2 l = __floats2half2_rn(x0 - f.x, x1 - f.y);
+    hi = *reinterpret_cast<const uint32_t*>(&h);
+    lo = *reinterpret_cast<const uint32_t*>(&l);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+    const float2 f = __bfloat1622float2(h);
+    const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - f.x, x1 - f.y);
+    hi = *reinterpret_cast<const uint32_t*>(&h);
+    lo = *reinterpret_cast<const uint32_t*>(&l);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The group a CTA serves.
+struct Group {
+  int b;          // request
+  int tokens;     // query tokens in the group (<= kMaxTokens)
+  int64_t tok0;   // first token
+  int64_t pos0;   // its position
+  int seq_len;
+};
+
+// The group's request and tokens. Prefill: request b's groups start at W(b) = cu[b] / TG + b
+// (strictly increasing, and wide enough for ceil(query_len / TG) groups), so the grid (T / TG + B
+// groups) depends only on shapes; the lengths are checked here. Decode: from the grid alone; the
+// length comes later (decode_group_length), so that it loads together with the top-k ids.
+__device__ __forceinline__ bool resolve_group(const MsaParams& p, int tg, int64_t x, Group& gr) {
+  if (p.cu_seqlens_q) {
+    int lo = 0, hi = p.num_seqs - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (int64_t(p.cu_seqlens_q[mid] / tg) + mid <= x) lo = mid; else hi = mid - 1;
+    }
+    const int b = lo;
+    const int64_t q0 = p.cu_seqlens_q[b], ql = int64_t(p.cu_seqlens_q[b + 1]) - q0;
+    const int64_t first = (x - (q0 / tg + b)) * tg;
+    if (first < 0 || first >= ql) return false;
+    const int sl = p.seq_lens[b];
+    if (ql > p.max_query_len || sl < ql) return false;
+    gr.b = b;
+    gr.tokens = int(min(int64_t(tg), ql - first));
+    gr.tok0 = q0 + first;
+    gr.pos0 = sl - ql + first;
+    gr.seq_len = sl;
+    return (int64_t(sl) + kPage - 1) / kPage <= p.max_blocks;
+  }
+  const int dql = p.decode_query_len, rg = (dql + tg - 1) / tg;
+  gr.b = int(x / rg);
+  const int first = int(x % rg) * tg;
+  gr.tokens = min(tg, dql - first);
+  gr.tok0 = int64_t(gr.b) * dql + first;
+  return true;
+}
+
+__device__ __forceinline__ bool decode_group_length(const MsaParams& p, int seq_len, Group& gr) {
+  if (seq_len < 0 || (int64_t(seq_len) + kPage - 1) / kPage > p.max_blocks) return false;
+  gr.seq_len = seq_len;
+  gr.pos0 = int64_t(seq_len) - p.decode_query_len + (gr.tok0 - int64_t(gr.b) * p.decode_query_len);
+  return true;
+}
+
+// Shared-memory byte offsets a lane uses for the whole kernel. Every row a lane reads has a fixed
+// row & 7 (Q and K rows g, g + 8 of 16-aligned blocks; V rows 2c + e of 8-aligned pairs), so its
+// XOR swizzles are fixed too; k-steps s and s + 4 differ by 128 bytes.
+struct LaneOffsets {
+  int q[4];    // Q row (tile * 16 + g), k-steps j (+ 4): piece (2j + c/2) ^ swz(g), half (c & 1)
+  int k[8];    // K row g: bf16 like Q (j < 4 used); e4m3 k-step s: piece s ^ g, word c
+  int v[4];    // V row 2c + e: bf16 pieces (16 + 2g + h) ^ swz(2c + e) at [2e + h]; e4m3 (8 + g) ^ (2c + e) at [e]
+};
+
+template <bool kFp8>
+__device__ __forceinline__ LaneOffsets lane_offsets(int tile) {
+  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  constexpr int kRow = kFp8 ? 256 : 512;
+  LaneOffsets o;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int piece = (2 * j + (c >> 1)) ^ swz_bf16(g);
+    o.q[j] = (tile * 16 + g) * 256 + piece * 16 + (c & 1) * 8;
+    if constexpr (!kFp8) o.k[j] = g * kRow + piece * 16 + (c & 1) * 8;
+  }
+  if constexpr (kFp8) {
+#pragma unroll
+    for (int s = 0; s < 8; ++s) o.k[s] = g * kRow + (s ^ swz_e4m3(g)) * 16 + c * 4;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) o.v[e] = (2 * c + e) * kRow + ((8 + g) ^ swz_e4m3(2 * c + e)) * 16;
+  } else {
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) o.v[2 * e + h] = (2 * c + e) * kRow + ((16 + 2 * g + h) ^ swz_bf16(2 * c + e)) * 16;
+  }
+  return o;
+}
+
+// One warp's work on 16 keys of a chunk for one 16-row tile: S = Q K^T, mask, online softmax,
+// O += P V. `keys` = stage + key0 * row bytes; a lane's rows see the chunk keys [lo[rs], hi[rs])
+// (an empty range for a row that does not see the chunk).
+struct TileState {
+  float o[16][4];
+  float m[2], l[2];  // rows g, g + 8: running max (log2 units) and this lane's partial sum
+};
+
+template <bool kFp8>
+__device__ __forceinline__ void tile_keys16(TileState& st, const char* q_s, const char* keys, const LaneOffsets& off,
+                                            int key0, const int (&lo)[2], const int (&hi)[2], float scale_log2) {
+  constexpr int kRow = kFp8 ? 256 : 512;
+  const int c = threadIdx.x % 4;
+  float s[2][4] = {};
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    const int j = ks & 3, hi128 = (ks >> 2) * 128;
+    const uint2 qa = lds64(q_s + off.q[j] + hi128);
+    const uint2 qb = lds64(q_s + off.q[j] + hi128 + 8 * 256);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      uint32_t b0, b1;
+      if constexpr (kFp8) {
+        const uint32_t w = lds32(keys + off.k[ks] + nt * 8 * kRow);
+        b0 = e4m3x2_to_bf16x2(w);
+        b1 = e4m3x2_to_bf16x2(w >> 16);
+      } else {
+        const uint2 w = lds64(keys + off.k[j] + hi128 + nt * 8 * kRow);
+        b0 = w.x;
+        b1 = w.y;
+      }
+      mma_16816<false>(s[nt], qa.x, qb.x, qa.y, qb.y, b0, b1);
+    }
+  }
+  // Mask and online softmax (base 2). A masked key is -inf; a NaN score never becomes the max
+  // (fmaxf) and turns its row NaN through its weight.
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int rs = e >> 1, key = key0 + nt * 8 + 2 * c + (e & 1);
+      const bool vis = unsigned(key - lo[rs]) < unsigned(hi[rs] - lo[rs]);
+      s[nt][e] = vis ? s[nt][e] * scale_log2 : -INFINITY;
+      mx[rs] = fmaxf(mx[rs], s[nt][e]);
+    }
+  float alpha[2];
+#pragma unroll
+  for (int rs = 0; rs < 2; ++rs) {
+    mx[rs] = fmaxf(mx[rs], __shfl_xor_sync(kFull, mx[rs], 1));
+    mx[rs] = fmaxf(mx[rs], __shfl_xor_sync(kFull, mx[rs], 2));
+    const float m_new = fmaxf(st.m[rs], mx[rs]);
+    alpha[rs] = m_new == -INFINITY ? 1.f : exp2f(st.m[rs] - m_new);
+    st.m[rs] = m_new;
+  }
+  float sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int rs = e >> 1;
+      s[nt][e] = st.m[rs] == -INFINITY ? 0.f : exp2f(s[nt][e] - st.m[rs]);
+      sum[rs] += s[nt][e];
+    }
+#pragma unroll
+  for (int rs = 0; rs < 2; ++rs) st.l[rs] = st.l[rs] * alpha[rs] + sum[rs];
+  if (__any_sync(kFull, alpha[0] != 1.f || alpha[1] != 1.f)) {  // the max moved for some row
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      st.o[j][0] *= alpha[0];
+      st.o[j][1] *= alpha[0];
+      st.o[j][2] *= alpha[1];
+      st.o[j][3] *= alpha[1];
+    }
+  }
+  // O += P V over these 16 keys: P as A (rows g, g+8; keys 2c.., 2c+8..), V rows 2c, 2c+1, 2c+8, 2c+9.
+  uint32_t a[4], r[4];  // P (hi) and its residue (lo) as A fragments
+  split2<kFp8>(s[0][0], s[0][1], a[0], r[0]);
+  split2<kFp8>(s[0][2], s[0][3], a[1], r[1]);
+  split2<kFp8>(s[1][0], s[1][1], a[2], r[2]);
+  split2<kFp8>(s[1][2], s[1][3], a[3], r[3]);
+  if constexpr (kFp8) {
+    uint4 v[4];  // dims 16g..16g+15 of key rows 2c, 2c+1, 2c+8, 2c+9, e4m3
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = lds128(keys + off.v[i & 1] + (i >> 1) * 8 * kRow);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const uint32_t sel = uint32_t(j & 3) | (uint32_t(4 + (j & 3)) << 4);
+      const uint32_t w0 = (&v[0].x)[j >> 2], w1 = (&v[1].x)[j >> 2], w2 = (&v[2].x)[j >> 2], w3 = (&v[3].x)[j >> 2];
+      const uint32_t b0 = e4m3x2_to_f16x2(__byte_perm(w0, w1, sel));
+      const uint32_t b1 = e4m3x2_to_f16x2(__byte_perm(w2, w3, sel));
+      mma_16816<true>(st.o[j], a[0], a[1], a[2], a[3], b0, b1);
+      mma_16816<true>(st.o[j], r[0], r[1], r[2], r[3], b0, b1);
+    }
+  } else {
+    uint4 v[4][2];  // dims 16g..16g+15 of key rows 2c, 2c+1, 2c+8, 2c+9, bf16
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) v[i][h] = lds128(keys + off.v[2 * (i & 1) + h] + (i >> 1) * 8 * kRow);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const uint32_t sel = (j & 1) ? 0x7632u : 0x5410u;
+      const int w = (j >> 1) & 3, h = j >> 3;
+      const uint32_t b0 = __byte_perm((&v[0][h].x)[w], (&v[1][h].x)[w], sel);
+      const uint32_t b1 = __byte_perm((&v[2][h].x)[w], (&v[3][h].x)[w], sel);
+      mma_16816<false>(st.o[j], a[0], a[1], a[2], a[3], b0, b1);
+      mma_16816<false>(st.o[j], r[0], r[1], r[2], r[3], b0, b1);
+    }
+  }
+}
+
+// A thread's part of loading one chunk (64 key rows of 16-byte pieces): pieces pc = tid % P of rows
+// tid / P + k * (threads / P). Its shared offsets repeat with period 2 in k (the swizzle of row
+// r depends on r & 7), so they are computed once.
+template <bool kFp8, int kThreads>
+struct ChunkLoader {
+  static constexpr int kRow = kFp8 ? 256 : 512, kPieces = kRow / 16;
+  static constexpr int kRowsPerPass = kThreads / kPieces, kPasses = kChunkKeys / kRowsPerPass;
+  int row0, src0, dst[2];
+
+  __device__ __forceinline__ ChunkLoader() {
+    const int pc = threadIdx.x % kPieces;
+    row0 = threadIdx.x / kPieces;
+    src0 = row0 * kRow + pc * 16;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int row = row0 + k * kRowsPerPass;
+      dst[k] = row0 * kRow + ((pc ^ (kFp8 ? swz_e4m3(row) : swz_bf16(row))) * 16);
+    }
+  }
+  // Keys at or past valid_keys are zero-filled.
+  __device__ __forceinline__ void issue(char* stage, const char* chunk, int valid_keys) const {
+#pragma unroll
+    for (int k = 0; k < kPasses; ++k)
+      cp_async_16z(stage + dst[k & 1] + k * kRowsPerPass * kRow, chunk + src0 + k * kRowsPerPass * kRow,
+                   row0 + k * kRowsPerPass < valid_keys ? 16 : 0);
+  }
+};
+
+// Final output of one row: o (fp32, 128 dims, swizzled), its max (log2 units) and sum.
+__device__ __forceinline__ int fin_index(int row, int col) {
+  return row * 128 + (col ^ ((row & 7) | (((col >> 5) & 3) << 3)));
+}
+
+// kWarps: 4 (two CTAs per SM) for groups of at most 64 rows, else 8 (one 16-row tile per warp).
+template <bool kFp8, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
+    msa_sparse_kernel(const __grid_constant__ MsaParams p, int stages) {
+  constexpr int kThreads = kWarps * 32;
+  extern __shared__ __align__(128) char smem[];
   const int G = p.num_heads / p.num_kv_heads;
-  const int tid = threadIdx.x;
+  const int tg = msa_group_tokens(G, p.decode_query_len);
+  const SmemLayout L = smem_layout(kFp8, stages, tg, G, p.topk_k, p.max_blocks, kWarps);
+  char* area = smem;
+  char* q_s = smem + L.q_off;
+  uint64_t* keys = reinterpret_cast<uint64_t*>(smem + L.keys_off);
+  int4* uniq = reinterpret_cast<int4*>(smem + L.uniq_off);
+  int4* tok_range = reinterpret_cast<int4*>(smem + L.tok_off);  // {lo, hi, nbv, -}
+  float2* part_ml = reinterpret_cast<float2*>(smem + L.ml_off);  // [kWarps][rows]
+  float2* row_ml = part_ml + kWarps * L.rows;                    // [rows]
+  float* split_w = reinterpret_cast<float*>(row_ml + L.rows);    // [splits][rows]
+  int* misc = reinterpret_cast<int*>(smem + L.misc_off);         // [0..7] warp counts, [8] U, [9] last
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int kv_head = blockIdx.y, split = blockIdx.z;
+  const int splits = p.num_splits > 1 ? p.num_splits : 1;
 
-  // The token's request, visible key range and used blocks (thread 0).
-  if (tid == 0) {
-    valid_token = false;
-    int b = 0;
-    int64_t pos = 0;
-    bool ok = true;
-    if (p.cu_seqlens_q) {
-      int lo = 0, hi = p.num_seqs - 1;
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (p.cu_seqlens_q[mid] <= t) lo = mid; else hi = mid - 1;
-      }
-      b = lo;
-      const int q0 = p.cu_seqlens_q[b], ql = p.cu_seqlens_q[b + 1] - q0;
-      const int sl = p.seq_lens[b];
-      ok = t >= q0 && t < q0 + ql && ql <= p.max_query_len && sl >= ql;
-      pos = int64_t(sl) - ql + (t - q0);
-    } else {
-      b = int(t / p.decode_query_len);
-      ok = p.seq_lens[b] >= 0;
-      pos = int64_t(p.seq_lens[b]) - p.decode_query_len + t % p.decode_query_len;
-    }
-    const int64_t sl = ok ? p.seq_lens[b] : 0;
-    ok = ok && (sl + kPage - 1) / kPage <= p.max_blocks;
-    if (ok) {
-      const int64_t hi = p.causal ? min(pos + 1, sl) : sl;
-      const int64_t lo = p.window_left > 0 ? max(int64_t(0), pos - p.window_left + 1) : 0;
-      const int64_t nb_vis = hi > 0 ? (hi + kPage - 1) / kPage : 0;
-      int n = 0;
-      const int32_t* list = p.topk + g * p.topk_stride_h + t * p.topk_stride_t;
-      for (int i = 0; i < p.topk_k; ++i) {
-        const int id = list[i * p.topk_stride_k];
-        if (id < 0 || id >= nb_vis) continue;
-        bool seen = false;
-        for (int e = 0; e < n; ++e) seen |= used_id[e] == id;
-        if (seen) continue;
-        const int page = p.block_table[b * p.block_table_stride + id];
-        if (page < 0 || page >= p.num_cache_blocks) continue;  // never read outside the cache
-        used_id[n] = id;
-        used_page[n] = page;
-        ++n;
-      }
-      num_used = n;
-      key_lo = int(lo);
-      key_hi = int(max(hi, int64_t(0)));
-      valid_token = true;
-    }
+  Group gr;
+  if (!resolve_group(p, tg, blockIdx.x, gr)) return;  // uniform over the group's splits
+  const int rows = gr.tokens * G;
+  // Queries: every row of the group (bf16, swizzled 16-byte pieces); the first cp.async group.
+  for (int idx = tid; idx < rows * 16; idx += kThreads) {
+    const int row = idx / 16, pc = idx % 16;
+    const int64_t t = gr.tok0 + row / G;
+    const uint16_t* src = p.q + t * p.q_stride_t + int64_t(kv_head * G + row % G) * p.q_stride_h + pc * 8;
+    cp_async_16z(q_s + row * 256 + ((pc ^ swz_bf16(row)) * 16), src, 16);
+  }
+  cp_async_commit();
+  // Raw top-k ids into the (still unused) stage area; a decode length loads alongside.
+  const int K = p.topk_k, n = gr.tokens * K;
+  int* raw = reinterpret_cast<int*>(area);
+  const int decode_len = p.cu_seqlens_q ? 0 : p.seq_lens[gr.b];
+  for (int e = tid; e < n; e += kThreads)
+    raw[e] = p.topk[int64_t(kv_head) * p.topk_stride_h + (gr.tok0 + e / K) * p.topk_stride_t +
+                    int64_t(e % K) * p.topk_stride_k];
+  if (!p.cu_seqlens_q && !decode_group_length(p, decode_len, gr)) {
+    cp_async_wait<0>();  // nothing may land in a finished CTA's shared memory
+    return;
+  }
+  // Tokens: positions and visible ranges.
+  if (tid < gr.tokens) {
+    const int64_t pos = gr.pos0 + tid;
+    const int64_t hi = p.causal ? min(pos + 1, int64_t(gr.seq_len)) : int64_t(gr.seq_len);
+    const int64_t lo = p.window_left > 0 ? max(int64_t(0), pos - p.window_left + 1) : 0;
+    const int nbv = hi > 0 ? int((hi + kPage - 1) / kPage) : 0;
+    tok_range[tid] = make_int4(int(lo), int(max(hi, int64_t(0))), nbv, 0);
   }
   __syncthreads();
-  if (!valid_token) return;  // block-uniform
 
+  // Entries -> sort keys (id << 37 | token << 32 | page), skipped ones (kNoEntry) last.
+  const int32_t* table = p.block_table + int64_t(gr.b) * p.block_table_stride;
+  for (int e = tid; e < L.n_pad; e += kThreads) {
+    uint64_t key = kNoEntry;
+    if (e < n) {
+      const int r = e / K, id = raw[e];
+      if (id >= 0 && id < tok_range[r].z) {
+        const int page = table[id];
+        if (page >= 0 && page < p.num_cache_blocks)
+          key = (uint64_t(id) << 37) | (uint64_t(r) << 32) | uint64_t(uint32_t(page));
+      }
+    }
+    keys[e] = key;
+  }
+  __syncthreads();
+  for (int k = 2; k <= L.n_pad; k <<= 1)
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int i = tid; i < L.n_pad; i += kThreads) {
+        const int ixj = i ^ j;
+        if (ixj > i) {
+          const uint64_t a = keys[i], bb = keys[ixj];
+          if ((a > bb) == ((i & k) == 0)) {
+            keys[i] = bb;
+            keys[ixj] = a;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  // Unique ids in order: each thread counts the first occurrences in its segment, a scan over the
+  // segments gives their slots.
+  const int seg = (L.n_pad + kThreads - 1) / kThreads, e0 = tid * seg;
+  auto is_first = [&](int e) {
+    return e < L.n_pad && keys[e] != kNoEntry && (e == 0 || (keys[e] >> 37) != (keys[e - 1] >> 37));
+  };
+  int mine = 0;
+  for (int e = e0; e < e0 + seg; ++e) mine += is_first(e);
+  int incl = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(kFull, incl, o);
+    if (lane >= o) incl += v;
+  }
+  if (lane == 31) misc[warp] = incl;
+  __syncthreads();
+  int base = incl - mine;
+  for (int w = 0; w < warp; ++w) base += misc[w];
+  if (tid == kThreads - 1) misc[8] = base + mine;
+  for (int e = e0; e < e0 + seg; ++e) {
+    if (!is_first(e)) continue;
+    const uint64_t id = keys[e] >> 37;
+    uint32_t tokens = 0;
+    for (int f = e; f < L.n_pad && keys[f] != kNoEntry && (keys[f] >> 37) == id; ++f)
+      tokens |= 1u << ((keys[f] >> 32) & 31);
+    // Per 64-key half: the tokens that selected the page and see some key of the half.
+    uint32_t mask[2] = {0, 0};
+    for (int h = 0; h < 2; ++h) {
+      const int64_t k0 = int64_t(id) * kPage + h * kChunkKeys;
+      if (k0 >= gr.seq_len) continue;
+      for (uint32_t t = tokens; t; t &= t - 1) {
+        const int r = __ffs(t) - 1;
+        if (tok_range[r].x < k0 + kChunkKeys && tok_range[r].y > k0) mask[h] |= 1u << r;
+      }
+    }
+    uniq[base++] = make_int4(int(id), int(uint32_t(keys[e])), int(mask[0]), int(mask[1]));
+  }
+  __syncthreads();
+  const int U = misc[8], C = 2 * U;
+  const int c_begin = int(int64_t(split) * C / splits), c_end = int(int64_t(split + 1) * C / splits);
+
+  // Work split: a 16-row tile per warp; with 4 warps and fewer than 3 tiles the warps of a tile
+  // split each chunk's keys into KS parts instead.
+  const int R = (rows + 15) / 16;
+  const int KS = kWarps == 8 || R >= 3 ? 1 : (R == 2 ? 2 : 4);
+  const int kp = warp % KS, tile = warp / KS;
+  const int keys_per_part = kChunkKeys / KS;
   const float k_scale = p.fp8 ? *p.k_scale : 1.f, v_scale = p.fp8 ? *p.v_scale : 1.f;
-  const float scale = p.softmax_scale * k_scale;
-  for (int i = tid; i < G * 128; i += kThreads) {
-    const int h = i / 128, d = i % 128;
-    q_s[h][d] = bf16_bits_to_float(p.q[t * p.q_stride_t + int64_t(g * G + h) * p.q_stride_h + d]);
-  }
-  if (tid < G) {
-    head_max[tid] = -INFINITY;
-    head_sum[tid] = 0.f;
-  }
-  float acc[kMaxGroup];
+  const float scale_log2 = p.softmax_scale * k_scale * kLog2e;
+  const int g = lane / 4;
+
+  TileState st;
 #pragma unroll
-  for (int h = 0; h < kMaxGroup; ++h) acc[h] = 0.f;
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) st.o[j][e] = 0.f;
+  st.m[0] = st.m[1] = -INFINITY;
+  st.l[0] = st.l[1] = 0.f;
+
+  // Fixed per warp and lane: the tile's tokens, each lane row's token and visible key range.
+  const int t_first = tile * 16 / G, t_last = min(tile * 16 + 15, max(rows - 1, 0)) / G;
+  const uint32_t tile_tokens =
+      tile < R ? (t_last - t_first == 31 ? kFull : ((2u << (t_last - t_first)) - 1)) << t_first : 0u;
+  int row_token[2], row_lo[2], row_hi[2];
+#pragma unroll
+  for (int rs = 0; rs < 2; ++rs) {
+    const int row = tile * 16 + g + rs * 8;
+    row_token[rs] = row < rows ? row / G : -1;
+    const int4 tr = tok_range[row < rows ? row / G : 0];
+    row_lo[rs] = tr.x;
+    row_hi[rs] = tr.y;
+  }
+  const LaneOffsets off = lane_offsets<kFp8>(tile);
+  const ChunkLoader<kFp8, kThreads> loader;
+  const char* cache = static_cast<const char*>(p.cache);
+  constexpr int64_t kRowBytes = kFp8 ? 256 : 512;
+
+  auto chunk_mask = [&](int c) { return uint32_t(c & 1 ? uniq[c >> 1].w : uniq[c >> 1].z); };
+  auto issue = [&](int c, int slot) {
+    if (c < c_end && chunk_mask(c) != 0) {
+      const int4 u = uniq[c >> 1];
+      const int k0 = u.x * kPage + (c & 1) * kChunkKeys;
+      const char* chunk = cache + ((int64_t(u.y) * p.num_kv_heads + kv_head) * kPage + (c & 1) * kChunkKeys) * kRowBytes;
+      loader.issue(area + slot * L.stage_bytes, chunk, min(kChunkKeys, gr.seq_len - k0));
+    }
+    cp_async_commit();
+  };
+  for (int i = 0; i < stages - 1; ++i) issue(c_begin + i, i);
+  for (int c = c_begin; c < c_end; ++c) {
+    const int i = c - c_begin;
+    issue(c + stages - 1, (i + stages - 1) % stages);
+    cp_async_wait_dyn(stages - 1);
+    __syncthreads();
+    const uint32_t mask = chunk_mask(c);
+    if ((mask & tile_tokens) != 0) {  // some token of this warp's tile selected the chunk
+      const char* stage = area + (i % stages) * L.stage_bytes;
+      const int chunk_pos = uniq[c >> 1].x * kPage + (c & 1) * kChunkKeys;
+      int lo[2], hi[2];  // the chunk keys each lane row sees (empty when its token did not select it)
+#pragma unroll
+      for (int rs = 0; rs < 2; ++rs) {
+        const bool ok = row_token[rs] >= 0 && ((mask >> row_token[rs]) & 1);
+        lo[rs] = ok ? min(max(row_lo[rs] - chunk_pos, 0), kChunkKeys) : 0;
+        hi[rs] = ok ? min(max(row_hi[rs] - chunk_pos, lo[rs]), kChunkKeys) : 0;
+      }
+      for (int sub = 0; sub < keys_per_part / 16; ++sub) {
+        const int key0 = kp * keys_per_part + sub * 16;
+        tile_keys16<kFp8>(st, q_s, stage + key0 * kRowBytes, off, key0, lo, hi, scale_log2);
+      }
+    }
+    __syncthreads();  // the stage is refilled next iteration
+  }
+  cp_async_wait<0>();
   __syncthreads();
 
-  const int64_t head_stride = int64_t(kPage) * 256;  // elements between KV heads of a page
-  for (int u = 0; u < num_used; ++u) {
-    const int id = used_id[u];
-    const int64_t base = (int64_t(used_page[u]) * p.num_kv_heads + g) * head_stride;
-    // Score key j = tid of the block.
-    const int key_pos = id * kPage + tid;
-    const bool visible = key_pos >= key_lo && key_pos < key_hi;
-    float s[kMaxGroup];
+  // Merge the key parts: per row, max and weight of each part, then sums in part order.
+  float* fin = reinterpret_cast<float*>(area);
+  if (tile < R) {
 #pragma unroll
-    for (int h = 0; h < kMaxGroup; ++h) s[h] = 0.f;
-    if (visible) {
-      for (int d = 0; d < 128; ++d) {
-        const int64_t e = base + int64_t(tid) * 256 + d;
-        const float k = p.fp8 ? e4m3_to_f32(static_cast<const uint8_t*>(p.cache)[e])
-                              : bf16_bits_to_float(static_cast<const uint16_t*>(p.cache)[e]);
-#pragma unroll
-        for (int h = 0; h < kMaxGroup; ++h)
-          if (h < G) s[h] = fmaf(q_s[h][d], k, s[h]);
-      }
+    for (int rs = 0; rs < 2; ++rs) {
+      float l = st.l[rs];
+      l += __shfl_xor_sync(kFull, l, 1);
+      l += __shfl_xor_sync(kFull, l, 2);
+      if (lane % 4 == 0) part_ml[kp * L.rows + tile * 16 + g + rs * 8] = make_float2(st.m[rs], l);
     }
-#pragma unroll
-    for (int h = 0; h < kMaxGroup; ++h)
-      if (h < G) prob[h][tid] = visible ? s[h] * scale : -INFINITY;
-    __syncthreads();
-    // Per head: the block's max (thread h), the new running max and the rescale of the old sums.
-    if (tid < G) {
-      float m = -INFINITY;
-      for (int j = 0; j < kPage; ++j) m = fmaxf(m, prob[tid][j]);
-      const float m_new = fmaxf(head_max[tid], m);
-      head_scale[tid] = m_new == -INFINITY ? 1.f : expf(head_max[tid] - m_new);
-      head_max[tid] = m_new;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int h = 0; h < kMaxGroup; ++h)
-      if (h < G) {
-        const float m = head_max[h];
-        prob[h][tid] = prob[h][tid] == -INFINITY ? 0.f : expf(prob[h][tid] - m);
-      }
-    __syncthreads();
-    if (tid < G) {
-      float l = 0.f;
-      for (int j = 0; j < kPage; ++j) l += prob[tid][j];
-      head_sum[tid] = head_sum[tid] * head_scale[tid] + l;
-    }
-    // P V for dim d = tid.
-#pragma unroll
-    for (int h = 0; h < kMaxGroup; ++h)
-      if (h < G) acc[h] *= head_scale[h];
-    // Only the visible keys: a masked key's V may be anything (NaN past seq_len), and 0 * NaN is NaN.
-    const int j_lo = max(0, key_lo - id * kPage), j_hi = min(kPage, key_hi - id * kPage);
-    for (int j = j_lo; j < j_hi; ++j) {
-      const int64_t e = base + int64_t(j) * 256 + 128 + tid;
-      const float v = p.fp8 ? e4m3_to_f32(static_cast<const uint8_t*>(p.cache)[e])
-                            : bf16_bits_to_float(static_cast<const uint16_t*>(p.cache)[e]);
-#pragma unroll
-      for (int h = 0; h < kMaxGroup; ++h)
-        if (h < G) acc[h] = fmaf(prob[h][j], v, acc[h]);
-    }
-    __syncthreads();  // prob, head_* are rewritten by the next block
   }
+  __syncthreads();
+  if (tid < R * 16) {
+    float m = -INFINITY;
+    for (int k = 0; k < KS; ++k) m = fmaxf(m, part_ml[k * L.rows + tid].x);
+    float l = 0.f;
+    for (int k = 0; k < KS; ++k) {
+      const float2 v = part_ml[k * L.rows + tid];
+      l += v.x == -INFINITY ? 0.f : v.y * exp2f(v.x - m);
+    }
+    row_ml[tid] = make_float2(m, l);
+  }
+  __syncthreads();
+  // Each key part's O, weighted, in its own plane of `fin` (no read-modify-write); readers sum
+  // the planes in part order.
+  const int plane = L.rows * 128;
+  if (tile < R) {
+#pragma unroll
+    for (int rs = 0; rs < 2; ++rs) {
+      const int row = tile * 16 + g + rs * 8;
+      const float m = row_ml[row].x, mk = st.m[rs];
+      const float w = mk == -INFINITY ? 0.f : exp2f(mk - m);
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          fin[kp * plane + fin_index(row, 32 * (lane % 4) + 16 * hh + j)] = st.o[j][rs * 2 + hh] * w;
+    }
+  }
+  __syncthreads();
+  auto summed = [&](int row, int col) {
+    const int i = fin_index(row, col);
+    float v = fin[i];
+    for (int k = 1; k < KS; ++k) v += fin[k * plane + i];
+    return v;
+  };
 
+  // Output: one split writes the rows; otherwise a partial, and the last split merges.
+  auto write_row = [&](int row, float m, float l, auto&& value) {
+    const int64_t t = gr.tok0 + row / G;
+    const int h = kv_head * G + row % G;
+    const float inv = l == 0.f ? 0.f : v_scale / l;  // a row without keys writes 0; NaN stays NaN
+    uint16_t* out = p.out + t * p.out_stride_t + int64_t(h) * p.out_stride_h;
+    for (int cp = lane; cp < 64; cp += 32) {
+      const float x0 = l == 0.f ? 0.f : value(2 * cp) * inv, x1 = l == 0.f ? 0.f : value(2 * cp + 1) * inv;
+      *reinterpret_cast<__nv_bfloat162*>(out + 2 * cp) = __floats2bfloat162_rn(x0, x1);
+    }
+    if (p.lse && lane == 0) p.lse[t * p.lse_stride_t + h] = l == 0.f ? -INFINITY : (m + log2f(l)) * kLn2;
+  };
+  if (splits == 1) {
+    for (int row = warp; row < rows; row += kWarps) {
+      const float2 ml = row_ml[row];
+      write_row(row, ml.x, ml.y, [&](int col) { return summed(row, col); });
+    }
+    return;
+  }
+  const int64_t pair = int64_t(blockIdx.x) * p.num_kv_heads + kv_head;
+  const int64_t slot0 = pair * splits;
+  {
+    float4* po = reinterpret_cast<float4*>(p.part_o + (slot0 + split) * L.rows * 128);
+    float2* pml = reinterpret_cast<float2*>(p.part_ml) + (slot0 + split) * L.rows;
+    for (int it = tid; it < rows * 32; it += kThreads) {
+      const int row = it / 32, c0 = (it % 32) * 4;
+      po[it] = make_float4(summed(row, c0), summed(row, c0 + 1), summed(row, c0 + 2), summed(row, c0 + 3));
+    }
+    if (tid < rows) pml[tid] = row_ml[tid];
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) misc[9] = atomicAdd(p.counters + pair, 1) + 1 == splits;
+  __syncthreads();
+  if (!misc[9]) return;
+  __threadfence();
+  // The last split: merge the splits' partials in split order.
+  const float* po = p.part_o + slot0 * L.rows * 128;
+  const float2* pml = reinterpret_cast<const float2*>(p.part_ml) + slot0 * L.rows;
+  if (tid < rows) {
+    float2 ml[kMaxSplits];
+    float m = -INFINITY;
 #pragma unroll
-  for (int h = 0; h < kMaxGroup; ++h) {
-    if (h >= G) break;
-    const float l = head_sum[h];
-    const float o = l > 0.f ? acc[h] * v_scale / l : 0.f;  // a row without keys writes 0
-    p.out[t * p.out_stride_t + int64_t(g * G + h) * p.out_stride_h + tid] =
-        __bfloat16_as_ushort(__float2bfloat16_rn(o));
+    for (int s = 0; s < kMaxSplits; ++s) {
+      ml[s] = s < splits ? __ldcg(&pml[s * L.rows + tid]) : make_float2(-INFINITY, 0.f);
+      m = fmaxf(m, ml[s].x);
+    }
+    float l = 0.f;
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) {
+      const float w = ml[s].x == -INFINITY ? 0.f : exp2f(ml[s].x - m);
+      if (s < splits) split_w[s * L.rows + tid] = w;
+      l += w * ml[s].y;
+    }
+    row_ml[tid] = make_float2(m, l);
   }
-  if (p.lse && tid < G) {
-    const float l = head_sum[tid];
-    p.lse[t * p.lse_stride_t + g * G + tid] = l > 0.f ? head_max[tid] + logf(l) : -INFINITY;
+  __syncthreads();
+  // Every split's piece of an output float4 in flight at once.
+  for (int it = tid; it < rows * 32; it += kThreads) {
+    const int row = it / 32, c0 = (it % 32) * 4;
+    float4 v[kMaxSplits];
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s)
+      if (s < splits) v[s] = __ldcg(reinterpret_cast<const float4*>(po + (int64_t(s) * L.rows + row) * 128 + c0));
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) {
+      const float w = s < splits ? split_w[s * L.rows + row] : 0.f;
+      if (w != 0.f) {  // an empty split (weight 0) adds nothing
+        acc[0] += v[s].x * w;
+        acc[1] += v[s].y * w;
+        acc[2] += v[s].z * w;
+        acc[3] += v[s].w * w;
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) fin[fin_index(row, c0 + e)] = acc[e];
   }
+  __syncthreads();
+  for (int row = warp; row < rows; row += kWarps) {
+    const float2 ml = row_ml[row];
+    write_row(row, ml.x, ml.y, [&](int col) { return fin[fin_index(row, col)]; });
+  }
+  if (tid == 0) p.counters[pair] = 0;
+}
+
+bool g_force_baseline = false;
+
+// The kernel instance and its shared memory for a call: 4 warps (two CTAs per SM, as many 64-key
+// stages as fit, at least 2) for groups of at most 64 rows; 8 warps and one CTA per SM above.
+using KernelFn = void (*)(MsaParams, int);
+struct KernelConfig {
+  KernelFn fn;
+  int threads, stages, smem;
+};
+
+KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks) {
+  int dev = 0, per_sm = 0, optin = 0;
+  M3RT_CUDA_CHECK(cudaGetDevice(&dev));
+  M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  const bool wide = msa_group_rows(G, tg) > 64;
+  const int warps = wide ? 8 : 4;
+  KernelConfig cfg{};
+  if (fp8) cfg.fn = wide ? msa_sparse_kernel<true, 8> : msa_sparse_kernel<true, 4>;
+  else cfg.fn = wide ? msa_sparse_kernel<false, 8> : msa_sparse_kernel<false, 4>;
+  cfg.threads = warps * 32;
+  const SmemLayout base = smem_layout(fp8, 0, tg, G, topk, max_blocks, warps);
+  const int fixed = base.total - base.q_off;
+  int stages = ((wide ? optin : per_sm / 2 - 1024) - fixed) / base.stage_bytes;
+  if (stages < 2) stages = (optin - fixed) / base.stage_bytes;
+  if (stages < 2)
+    throw Error("msa_attention: a group of " + std::to_string(tg) + " tokens x topk " + std::to_string(topk) +
+                " needs more shared memory than this GPU has");
+  cfg.stages = std::min(stages, 8);
+  cfg.smem = smem_layout(fp8, cfg.stages, tg, G, topk, max_blocks, warps).total;
+  // Raise the kernel's dynamic shared memory limit when a call needs more than any before.
+  static KernelFn fns[4] = {};
+  static int sizes[4] = {};
+  int i = 0;
+  while (i < 3 && fns[i] != nullptr && fns[i] != cfg.fn) ++i;
+  if (fns[i] != cfg.fn || sizes[i] < cfg.smem) {
+    M3RT_CUDA_CHECK(cudaFuncSetAttribute(cfg.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, cfg.smem));
+    fns[i] = cfg.fn;
+    sizes[i] = cfg.smem;
+  }
+  return cfg;
 }
 
 }  // namespace
 
+void msa_force_baseline(bool on) { g_force_baseline = on; }
+
+int msa_decode_splits(int batch, int dql, int num_heads, int num_kv_heads, int topk, int max_blocks) {
+  const int G = num_heads / num_kv_heads, tg = msa_group_tokens(G, dql);
+  const int64_t pairs = msa_decode_groups(batch, dql, G) * num_kv_heads;
+  if (pairs == 0) return 1;
+  // One CTA per SM: more splits add a merge and a per-CTA start-up cost that outweigh the second
+  // CTA an SM could hold (H200, M3 shapes: batch 32 at 1 split 47 us vs 2 splits 51 us; batch 1
+  // at 16 splits 19 us vs 1 split 45 us).
+  const int64_t chunks = 2 * int64_t(std::min(tg * topk, max_blocks));
+  int64_t splits = std::clamp<int64_t>(detail::multiprocessor_count() / pairs, 1, std::min<int64_t>(chunks, kMaxSplits));
+  if (const char* env = std::getenv("M3RT_MSA_SPLITS"); env && *env)  // tuning knob for benches
+    splits = std::clamp<int64_t>(std::atoll(env), 1, std::min<int64_t>(chunks, kMaxSplits));
+  return int(splits);
+}
+
 void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   if (p.num_tokens == 0) return;
-  if (p.num_kv_heads > 65535)
-    throw_arg_error("msa_attention", "cache.kv_cache.shape", std::to_string(p.num_kv_heads),
-                    "at most 65535 KV heads on a GPU");
-  const dim3 grid(unsigned(p.num_tokens), unsigned(p.num_kv_heads));
-  msa_attention_kernel<<<grid, kThreads, 0, stream>>>(p);
-  M3RT_LAUNCH_CHECK(stream, "msa_attention_kernel");
+  if (g_force_baseline) return msa_attention_baseline_launch(p, stream);
+  const int G = p.num_heads / p.num_kv_heads, tg = msa_group_tokens(G, p.decode_query_len);
+  const int64_t groups = p.cu_seqlens_q ? p.num_tokens / tg + p.num_seqs : msa_decode_groups(p.num_seqs, p.decode_query_len, G);
+  const int splits = std::max(1, p.num_splits);
+  if (groups > 0x7fffffff || p.num_kv_heads > 65535)
+    throw_arg_error("msa_attention", "q.shape", std::to_string(p.num_tokens) + " tokens",
+                    "at most 2^31 row groups and 65535 KV heads on a GPU");
+  if (splits > kMaxSplits || (splits > 1 && (p.part_o == nullptr || p.part_ml == nullptr || p.counters == nullptr)))
+    throw Error("msa_attention: split decode without its scratch (internal)");
+  const KernelConfig cfg = kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks);
+  const dim3 grid(unsigned(groups), unsigned(p.num_kv_heads), unsigned(splits));
+  cfg.fn<<<grid, cfg.threads, cfg.smem, stream>>>(p, cfg.stages);
+  M3RT_LAUNCH_CHECK(stream, "msa_sparse_kernel");
 }
 
 }  // namespace m3rt

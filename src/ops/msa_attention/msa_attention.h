@@ -8,6 +8,13 @@
 
 struct CUstream_st;
 
+// The geometry helpers below are shared by host code and the kernel.
+#ifdef __CUDACC__
+#define M3RT_HOST_DEVICE __host__ __device__
+#else
+#define M3RT_HOST_DEVICE
+#endif
+
 namespace m3rt {
 
 struct MsaParams {
@@ -38,7 +45,39 @@ struct MsaParams {
   int64_t out_stride_t, out_stride_h;
   float* lse;                   // optional [T, Hq]: lse + t * lse_stride_t + h
   int64_t lse_stride_t;
+  // Split decode (set by MsaDecodePlan; prefill and a plan with one split leave them 0 / null):
+  // the CTAs of one (row group, KV head) share its pages and the last to finish merges.
+  int num_splits;               // 0 or 1: no split
+  float* part_o;                // [groups * Hkv * num_splits, msa_group_rows, 128] fp32
+  float* part_ml;               // [groups * Hkv * num_splits, msa_group_rows, 2]: running max (log2), sum
+  int* counters;                // [groups * Hkv], zero between calls
 };
+
+// The tensor-core kernel's geometry (shared by the plan, which sizes the split scratch, and the
+// launcher). A CTA serves one row group: up to msa_group_tokens query tokens of one request (all
+// their G query heads, <= 128 rows) and one KV head.
+// Row masks are 32-bit, so at most 32 tokens.
+M3RT_HOST_DEVICE inline int msa_group_tokens(int group_size, int decode_query_len) {  // decode_query_len 0: prefill
+  const int t = 128 / group_size < 32 ? 128 / group_size : 32;
+  return decode_query_len > 0 && decode_query_len < t ? decode_query_len : t;
+}
+// Rows (token x query head) of a group's tiles, rounded up to the 16-row MMA tile; sizes the
+// plan's split scratch.
+M3RT_HOST_DEVICE inline int msa_group_rows(int group_size, int group_tokens) { return (group_tokens * group_size + 15) / 16 * 16; }
+// Row groups of a decode call: ceil(dql / group tokens) per request.
+M3RT_HOST_DEVICE inline int64_t msa_decode_groups(int batch, int decode_query_len, int group_size) {
+  const int tg = msa_group_tokens(group_size, decode_query_len);
+  return int64_t(batch) * ((decode_query_len + tg - 1) / tg);
+}
+// Splits per (row group, KV head) for a decode shape on the current device: the CTAs of a row group
+// share its pages and the last one merges. About one CTA per SM, at most 16, never more than the
+// pages' 64-key chunks; 1: no split scratch. The environment variable M3RT_MSA_SPLITS overrides it
+// (benchmark tuning).
+int msa_decode_splits(int batch, int decode_query_len, int num_heads, int num_kv_heads, int topk, int max_blocks);
+// Tests and benches: run the first (CUDA-core) kernel instead of the tensor-core one.
+void msa_force_baseline(bool on);
+// The baseline kernel's launcher (msa_attention_baseline.cu).
+void msa_attention_baseline_launch(const MsaParams& p, CUstream_st* stream);
 
 // The params of one call over its tensors (no checks: the ops validate before they build them;
 // checks and tests use this on host tensors). cu_seqlens_q undefined: decode with decode_query_len

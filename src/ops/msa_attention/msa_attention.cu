@@ -88,7 +88,9 @@ __host__ __device__ inline SmemLayout smem_layout(bool fp8, int stages, int grou
   const int n = group_tokens * topk;
   l.n_pad = next_pow2(n);
   l.u_cap = n < max_blocks ? n : max_blocks;
-  const int area = stages * l.stage_bytes > l.rows * 512 ? stages * l.stage_bytes : l.rows * 512;
+  // The output planes need KS x tile rows x 512 bytes with KS x tiles <= warps.
+  int area = stages * l.stage_bytes > l.rows * 512 ? stages * l.stage_bytes : l.rows * 512;
+  area = area > warps * 16 * 512 ? area : warps * 16 * 512;
   l.q_off = area;
   l.keys_off = l.q_off + l.rows * 256;
   l.uniq_off = l.keys_off + ((l.n_pad * 8 + 15) / 16) * 16;
@@ -535,10 +537,15 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
 
   // Work split: a 16-row tile per warp; with 4 warps and fewer than 3 tiles the warps of a tile
   // split each chunk's keys into KS parts instead.
+  // The 8-warp kernel with at most 4 tiles runs two chunk lanes: warps 0-3 take the even chunks of
+  // an iteration's pair, warps 4-7 the odd ones (more independent work per SM when one CTA holds it).
   const int R = (rows + 15) / 16;
-  const int KS = kWarps == 8 || R >= 3 ? 1 : (R == 2 ? 2 : 4);
-  const int kp = warp % KS, tile = warp / KS;
-  const int keys_per_part = kChunkKeys / KS;
+  const int CL = kWarps == 8 && R <= 4 ? 2 : 1;  // chunks per iteration
+  const int lane_warps = kWarps / CL, lg = warp / lane_warps, w = warp % lane_warps;
+  const int KSg = lane_warps == 8 || R >= 3 ? 1 : (R == 2 ? 2 : 4);
+  const int tile = w / KSg;
+  const int KS = CL * KSg, kp = lg * KSg + w % KSg;  // output planes (key parts) and this warp's
+  const int keys_per_part = kChunkKeys / KSg, key_base = (w % KSg) * keys_per_part;
   const float k_scale = p.fp8 ? *p.k_scale : 1.f, v_scale = p.fp8 ? *p.v_scale : 1.f;
   const float scale_log2 = p.softmax_scale * k_scale * kLog2e;
   const int g = lane / 4;
@@ -579,16 +586,20 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
     }
     cp_async_commit();
   };
-  for (int i = 0; i < stages - 1; ++i) issue(c_begin + i, i);
-  for (int c = c_begin; c < c_end; ++c) {
+  // One cp.async group per chunk (empty past the split's end). Before the iteration over chunks
+  // [c, c + CL): 1 + (stages - CL) + (c - c_begin + CL) groups committed, of which the first
+  // 1 + (c - c_begin + CL) must be complete.
+  for (int i = 0; i < stages - CL; ++i) issue(c_begin + i, i);
+  for (int c = c_begin; c < c_end; c += CL) {
     const int i = c - c_begin;
-    issue(c + stages - 1, (i + stages - 1) % stages);
-    cp_async_wait_dyn(stages - 1);
+    for (int q = 0; q < CL; ++q) issue(c + stages - CL + q, (i + stages - CL + q) % stages);
+    cp_async_wait_dyn(stages - CL);
     __syncthreads();
-    const uint32_t mask = chunk_mask(c);
+    const int cc = c + lg;
+    const uint32_t mask = cc < c_end ? chunk_mask(cc) : 0u;
     if ((mask & tile_tokens) != 0) {  // some token of this warp's tile selected the chunk
-      const char* stage = area + (i % stages) * L.stage_bytes;
-      const int chunk_pos = uniq[c >> 1].x * kPage + (c & 1) * kChunkKeys;
+      const char* stage = area + ((i + lg) % stages) * L.stage_bytes;
+      const int chunk_pos = uniq[cc >> 1].x * kPage + (cc & 1) * kChunkKeys;
       int lo[2], hi[2];  // the chunk keys each lane row sees (empty when its token did not select it)
 #pragma unroll
       for (int rs = 0; rs < 2; ++rs) {
@@ -597,11 +608,11 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
         hi[rs] = ok ? min(max(row_hi[rs] - chunk_pos, lo[rs]), kChunkKeys) : 0;
       }
       for (int sub = 0; sub < keys_per_part / 16; ++sub) {
-        const int key0 = kp * keys_per_part + sub * 16;
+        const int key0 = key_base + sub * 16;
         tile_keys16<kFp8>(st, q_s, stage + key0 * kRowBytes, off, key0, lo, hi, scale_log2);
       }
     }
-    __syncthreads();  // the stage is refilled next iteration
+    __syncthreads();  // the stages are refilled next iteration
   }
   cp_async_wait<0>();
   __syncthreads();
@@ -631,7 +642,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
   __syncthreads();
   // Each key part's O, weighted, in its own plane of `fin` (no read-modify-write); readers sum
   // the planes in part order.
-  const int plane = L.rows * 128;
+  const int plane = R * 16 * 128;  // this group's tile rows: KS x R <= warps planes fit the area
   if (tile < R) {
 #pragma unroll
     for (int rs = 0; rs < 2; ++rs) {
@@ -741,28 +752,30 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
 
 bool g_force_baseline = false;
 
-// The kernel instance and its shared memory for a call: 4 warps (two CTAs per SM, as many 64-key
-// stages as fit, at least 2) for groups of at most 64 rows; 8 warps and one CTA per SM above.
+// The kernel instance and its shared memory for a call. A grid no larger than the GPU (one CTA per
+// SM) or groups of more than 64 rows: 8 warps, one CTA per SM, as many 64-key stages as fit (at
+// most 8); with at most 4 tiles those 8 warps work on two chunks at a time. Otherwise 4 warps and
+// two CTAs per SM, their stages split accordingly (at least 2).
 using KernelFn = void (*)(MsaParams, int);
 struct KernelConfig {
   KernelFn fn;
   int threads, stages, smem;
 };
 
-KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks) {
+KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, int64_t ctas) {
   int dev = 0, per_sm = 0, optin = 0;
   M3RT_CUDA_CHECK(cudaGetDevice(&dev));
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  const bool wide = msa_group_rows(G, tg) > 64;
-  const int warps = wide ? 8 : 4;
+  const bool lone = msa_group_rows(G, tg) > 64 || ctas <= detail::multiprocessor_count();
+  const int warps = lone ? 8 : 4;
   KernelConfig cfg{};
-  if (fp8) cfg.fn = wide ? msa_sparse_kernel<true, 8> : msa_sparse_kernel<true, 4>;
-  else cfg.fn = wide ? msa_sparse_kernel<false, 8> : msa_sparse_kernel<false, 4>;
+  if (fp8) cfg.fn = lone ? msa_sparse_kernel<true, 8> : msa_sparse_kernel<true, 4>;
+  else cfg.fn = lone ? msa_sparse_kernel<false, 8> : msa_sparse_kernel<false, 4>;
   cfg.threads = warps * 32;
   const SmemLayout base = smem_layout(fp8, 0, tg, G, topk, max_blocks, warps);
   const int fixed = base.total - base.q_off;
-  int stages = ((wide ? optin : per_sm / 2 - 1024) - fixed) / base.stage_bytes;
+  int stages = ((lone ? optin : per_sm / 2 - 1024) - fixed) / base.stage_bytes;
   if (stages < 2) stages = (optin - fixed) / base.stage_bytes;
   if (stages < 2)
     throw Error("msa_attention: a group of " + std::to_string(tg) + " tokens x topk " + std::to_string(topk) +
@@ -811,7 +824,7 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
                     "at most 2^31 row groups and 65535 KV heads on a GPU");
   if (splits > kMaxSplits || (splits > 1 && (p.part_o == nullptr || p.part_ml == nullptr || p.counters == nullptr)))
     throw Error("msa_attention: split decode without its scratch (internal)");
-  const KernelConfig cfg = kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks);
+  const KernelConfig cfg = kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, groups * p.num_kv_heads * splits);
   const dim3 grid(unsigned(groups), unsigned(p.num_kv_heads), unsigned(splits));
   cfg.fn<<<grid, cfg.threads, cfg.smem, stream>>>(p, cfg.stages);
   M3RT_LAUNCH_CHECK(stream, "msa_sparse_kernel");

@@ -37,6 +37,7 @@
 #include "core/cuda_check.h"
 #include "m3rt/error.h"
 #include "ops/common/head_math.cuh"
+#include "ops/common/mma.cuh"
 #include "ops/lightning_indexer/lightning_indexer.h"
 
 namespace m3rt {
@@ -45,7 +46,10 @@ namespace {
 using kernels::cp_async_16;
 using kernels::cp_async_commit;
 using kernels::cp_async_wait;
+using kernels::e4m3x2_to_f16x2;
 using kernels::kFullMask;
+using kernels::mma_16816;
+using kernels::smem_u32;
 
 constexpr int kPage = 128;      // tokens per index-cache page and per scored block
 constexpr int kWords = 16;      // 32-bit fragment words a lane holds for one 128-dim row
@@ -63,10 +67,6 @@ struct FragChunks {
   static constexpr int kCount = kFp8 ? 2 : 4;  // 16-byte chunks per lane per row
 };
 
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two), __NV_E4M3);
-  return uint32_t(h.x) | (uint32_t(h.y) << 16);
-}
 
 // Raw chunks -> fragment words.
 template <bool kFp8>
@@ -96,21 +96,6 @@ __device__ __forceinline__ void load_row_chunks(const void* row, int c,
   for (int i = 0; i < FragChunks<kFp8>::kCount; ++i) ch[i] = kStream ? __ldcs(r + 4 * i + c) : __ldg(r + 4 * i + c);
 }
 
-template <bool kFp8>
-__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                          uint32_t a3, uint32_t b0, uint32_t b1) {
-  if constexpr (kFp8) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-}
 
 // The max over visible keys: NaN for a masked key, so that fmaxf (which ignores NaN) skips it and a
 // block with no non-NaN visible dot stays NaN.
@@ -484,9 +469,6 @@ constexpr int kDecodeStages = 3;
 
 [[maybe_unused]] __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-[[maybe_unused]] __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
 [[maybe_unused]] __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
 }

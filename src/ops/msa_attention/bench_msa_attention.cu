@@ -135,7 +135,8 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
   auto plan_splits = [](const Case& c) { return msa_decode_splits(c.B, c.dql, kHq, kHkv, kTopk, c.ctx / kPageTokens); };
   std::vector<Case> decode_cases;
   for (int ctx : env.quick ? std::vector<int>{32768} : std::vector<int>{32768, 131072})
-    for (int B : env.quick ? std::vector<int>{1, 32} : std::vector<int>{1, 32, 128}) decode_cases.push_back({B, ctx, 1});
+    for (int B : env.quick ? std::vector<int>{1, 32} : std::vector<int>{1, 32, 128})
+      decode_cases.push_back({B, ctx, 1});
   decode_cases.push_back({32, 32768, 8});  // verify
   for (bool fp8 : {false, true}) {
     const KvCacheDtype kd = fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;

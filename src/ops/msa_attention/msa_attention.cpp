@@ -66,6 +66,9 @@ MsaParams check_and_fill(Device dev, const TensorView& q, const MsaKvCache& c, c
   require_dtype(kOp, "block_table", block_table, {DType::kInt32});
   require_shape(kOp, "block_table", block_table, {B, -1});
   require_last_dim_contiguous(kOp, "block_table", block_table);
+  if (dev.is_cuda() && block_table.shape[1] > (int64_t(1) << 26))
+    throw_arg_error(kOp, "block_table.shape", block_table.shape_str(),
+                    "at most 2^26 blocks per request on a GPU (block ids are packed into 64-bit sort keys)");
 
   if (!(softmax_scale > 0.f) || !std::isfinite(softmax_scale))
     throw_arg_error(kOp, "softmax_scale", std::to_string(softmax_scale), "must be finite and > 0");

@@ -20,7 +20,8 @@
 //     tiles the warps split a chunk's keys instead (KS = 4, 2 or 1 key parts). Per 16 keys: S = Q K^T
 //     on m16n8k16 (bf16; e4m3 keys converted exactly to bf16), masked (token not in the page's mask,
 //     key outside [lo, hi)), online softmax in base 2, O += P V with P split into a 16-bit value and
-//     its 16-bit residue (bf16 for bf16 V; f16 and exact f16 V for e4m3). Tiles whose tokens did not select the chunk are skipped.
+//     its 16-bit residue (bf16 for bf16 V; f16 and exact f16 V for e4m3). Tiles whose tokens did not
+//     select the chunk are skipped.
 //  5. Key parts merge through shared memory in a fixed order; the group's (O, max, sum) either
 //     becomes the output (one split) or a partial in the plan's scratch, and the last split to
 //     arrive (a per-(group, KV head) counter that it resets) merges the splits in split order.
@@ -48,13 +49,17 @@
 #include "core/cuda_check.h"
 #include "m3rt/error.h"
 #include "ops/common/head_math.cuh"
+#include "ops/common/mma.cuh"
 #include "ops/msa_attention/msa_attention.h"
 
 namespace m3rt {
 namespace {
 
+using kernels::cp_async_16z;
 using kernels::cp_async_commit;
 using kernels::cp_async_wait;
+using kernels::e4m3x2_to_f16x2;
+using kernels::mma_16816;
 
 constexpr int kPage = 128;
 constexpr int kChunkKeys = 64;  // keys per pipeline stage
@@ -109,14 +114,7 @@ __device__ __forceinline__ int swz_bf16(int r) {
 }
 __device__ __forceinline__ int swz_e4m3(int r) { return r & 7; }
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
-// cp.async of 16 bytes; src_bytes 0 writes zeros without reading.
-__device__ __forceinline__ void cp_async_16z(void* smem, const void* gmem, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(src_bytes));
-}
 
 __device__ __forceinline__ void cp_async_wait_dyn(int pending) {
   switch (pending) {
@@ -135,10 +133,6 @@ __device__ __forceinline__ uint2 lds64(const char* p) { return *reinterpret_cast
 __device__ __forceinline__ uint32_t lds32(const char* p) { return *reinterpret_cast<const uint32_t*>(p); }
 __device__ __forceinline__ uint4 lds128(const char* p) { return *reinterpret_cast<const uint4*>(p); }
 
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
-  return uint32_t(h.x) | (uint32_t(h.y) << 16);
-}
 // Exact: every e4m3 value is a bf16 value.
 __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two) {
   const uint32_t h = e4m3x2_to_f16x2(two);
@@ -147,21 +141,6 @@ __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two) {
   return *reinterpret_cast<const uint32_t*>(&b);
 }
 
-template <bool kF16>
-__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                          uint32_t b0, uint32_t b1) {
-  if constexpr (kF16) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-}
 
 // Two weights as a 16-bit pair plus the pair of their rounding residues (hi + lo carries about 16
 // bits: P V through one bf16 P would lose up to 2^-9 of each weight, more than the output tolerance
@@ -581,7 +560,8 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
     if (c < c_end && chunk_mask(c) != 0) {
       const int4 u = uniq[c >> 1];
       const int k0 = u.x * kPage + (c & 1) * kChunkKeys;
-      const char* chunk = cache + ((int64_t(u.y) * p.num_kv_heads + kv_head) * kPage + (c & 1) * kChunkKeys) * kRowBytes;
+      const int64_t first_row = (int64_t(u.y) * p.num_kv_heads + kv_head) * kPage + (c & 1) * kChunkKeys;
+      const char* chunk = cache + first_row * kRowBytes;
       loader.issue(area + slot * L.stage_bytes, chunk, min(kChunkKeys, gr.seq_len - k0));
     }
     cp_async_commit();
@@ -807,9 +787,10 @@ int msa_decode_splits(int batch, int dql, int num_heads, int num_kv_heads, int t
   // CTA an SM could hold (H200, M3 shapes: batch 32 at 1 split 47 us vs 2 splits 51 us; batch 1
   // at 16 splits 19 us vs 1 split 45 us).
   const int64_t chunks = 2 * int64_t(std::min(tg * topk, max_blocks));
-  int64_t splits = std::clamp<int64_t>(detail::multiprocessor_count() / pairs, 1, std::min<int64_t>(chunks, kMaxSplits));
+  const int64_t cap = std::min<int64_t>(chunks, kMaxSplits);
+  int64_t splits = std::clamp<int64_t>(detail::multiprocessor_count() / pairs, 1, cap);
   if (const char* env = std::getenv("M3RT_MSA_SPLITS"); env && *env)  // tuning knob for benches
-    splits = std::clamp<int64_t>(std::atoll(env), 1, std::min<int64_t>(chunks, kMaxSplits));
+    splits = std::clamp<int64_t>(std::atoll(env), 1, cap);
   return int(splits);
 }
 
@@ -817,7 +798,8 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   if (p.num_tokens == 0) return;
   if (g_force_baseline) return msa_attention_baseline_launch(p, stream);
   const int G = p.num_heads / p.num_kv_heads, tg = msa_group_tokens(G, p.decode_query_len);
-  const int64_t groups = p.cu_seqlens_q ? p.num_tokens / tg + p.num_seqs : msa_decode_groups(p.num_seqs, p.decode_query_len, G);
+  const int64_t groups =
+      p.cu_seqlens_q ? p.num_tokens / tg + p.num_seqs : msa_decode_groups(p.num_seqs, p.decode_query_len, G);
   const int splits = std::max(1, p.num_splits);
   if (groups > 0x7fffffff || p.num_kv_heads > 65535)
     throw_arg_error("msa_attention", "q.shape", std::to_string(p.num_tokens) + " tokens",

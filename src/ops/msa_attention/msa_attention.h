@@ -56,14 +56,17 @@ struct MsaParams {
 // The tensor-core kernel's geometry (shared by the plan, which sizes the split scratch, and the
 // launcher). A CTA serves one row group: up to msa_group_tokens query tokens of one request (all
 // their G query heads, <= 128 rows) and one KV head.
-// Row masks are 32-bit, so at most 32 tokens.
-M3RT_HOST_DEVICE inline int msa_group_tokens(int group_size, int decode_query_len) {  // decode_query_len 0: prefill
+// Tokens per group: min(32, 128 / G), and at most dql in decode (dql 0: prefill); row masks are
+// 32-bit.
+M3RT_HOST_DEVICE inline int msa_group_tokens(int group_size, int decode_query_len) {
   const int t = 128 / group_size < 32 ? 128 / group_size : 32;
   return decode_query_len > 0 && decode_query_len < t ? decode_query_len : t;
 }
 // Rows (token x query head) of a group's tiles, rounded up to the 16-row MMA tile; sizes the
 // plan's split scratch.
-M3RT_HOST_DEVICE inline int msa_group_rows(int group_size, int group_tokens) { return (group_tokens * group_size + 15) / 16 * 16; }
+M3RT_HOST_DEVICE inline int msa_group_rows(int group_size, int group_tokens) {
+  return (group_tokens * group_size + 15) / 16 * 16;
+}
 // Row groups of a decode call: ceil(dql / group tokens) per request.
 M3RT_HOST_DEVICE inline int64_t msa_decode_groups(int batch, int decode_query_len, int group_size) {
   const int tg = msa_group_tokens(group_size, decode_query_len);

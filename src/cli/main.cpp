@@ -1,6 +1,7 @@
 // m3rt: the command-line tool.
 //   m3rt check [--device cpu|cuda|all] [--seed N] [--filter OP]   correctness self-test
 //   m3rt bench [--filter OP] [--json FILE] [--quick]              GPU benchmarks
+//   m3rt make-tiny-draft DIR [--mxfp8] [--seed N]                   a small random DSpark checkpoint
 //   m3rt version
 // Every error becomes one line on stderr and a non-zero exit.
 #include <cstdio>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "m3rt/check.h"
+#include "m3rt/dspark_checkpoint.h"
 #include "m3rt/error.h"
 #include "m3rt/tensor.h"
 
@@ -33,6 +35,9 @@ const char* kUsage =
     "        run every op's correctness check on fresh random inputs (default: all devices)\n"
     "  bench [--filter OP] [--json FILE] [--quick]\n"
     "        GPU benchmarks: us, bytes, GB/s, % of the measured copy ceiling, ratios to baselines\n"
+    "  make-tiny-draft DIR [--mxfp8] [--seed N]\n"
+    "        write a small random DSpark draft checkpoint in the real format (config.json,\n"
+    "        draft.safetensors, target/model.safetensors) and load it back to check it\n"
     "  version\n";
 
 struct Args {
@@ -166,6 +171,29 @@ int cmd_bench(Args& a) {
 #endif
 }
 
+int cmd_make_tiny_draft(Args& a) {
+  std::string dir;
+  TinyDraftOptions opt;
+  while (a.more()) {
+    const std::string flag = a.next("");
+    if (flag == "--mxfp8") opt.quant = DsparkQuant::kMxfp8;
+    else if (flag == "--seed") opt.seed = parse_u64(flag, a.next(flag));
+    else if (!flag.empty() && flag[0] == '-') throw Error("make-tiny-draft: unknown option '" + flag + "'");
+    else if (dir.empty()) dir = flag;
+    else throw Error("make-tiny-draft: one directory expected, got '" + dir + "' and '" + flag + "'");
+  }
+  if (dir.empty()) throw Error("make-tiny-draft: missing the output directory (m3rt make-tiny-draft DIR)");
+  const DsparkConfig c = tiny_dspark_config(opt.quant);
+  make_tiny_dspark_checkpoint(dir, c, opt);
+  const DsparkCheckpoint ck(dir, {dir + "/target/model.safetensors"});
+  std::printf("wrote %s: %zu draft tensors (%s linears), 2 target tensors; %d layers, hidden %d, %d/%d heads, "
+              "vocab %d, block %d\n",
+              dir.c_str(), dspark_draft_layout(c).size(), opt.quant == DsparkQuant::kMxfp8 ? "MXFP8" : "bf16",
+              ck.config().num_layers, ck.config().hidden_size, ck.config().num_heads, ck.config().num_kv_heads,
+              ck.config().vocab_size, ck.config().block_size);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -179,6 +207,7 @@ int main(int argc, char** argv) {
     const std::string cmd = a.next("");
     if (cmd == "check") return cmd_check(a);
     if (cmd == "bench") return cmd_bench(a);
+    if (cmd == "make-tiny-draft") return cmd_make_tiny_draft(a);
     if (cmd == "version") {
       std::printf("m3rt 0.1.0 (commit %s, %s)\n", M3RT_GIT_COMMIT, built_with_cuda() ? "CUDA" : "CPU only");
       return 0;

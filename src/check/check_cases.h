@@ -27,5 +27,6 @@ void check_indexer_prefill(CheckContext& c);  // src/ops/lightning_indexer/check
 void check_indexer_decode(CheckContext& c);
 void check_msa_prefill(CheckContext& c);  // src/ops/msa_attention/check_msa_attention.cpp
 void check_msa_decode(CheckContext& c);
+void check_dspark_draft(CheckContext& c);  // src/model/check_dspark_draft.cpp
 
 }  // namespace m3rt::detail

@@ -34,6 +34,9 @@ struct CheckOptions {
   std::string filter;  // run only ops whose name contains this
 };
 
+// Whether the op's check has GPU rows (false: no GPU path yet; GPU devices skip it).
+bool check_op_has_gpu(const std::string& op);
+
 // Runs every check on each device; never throws for an op failure (it becomes a failing row).
 std::vector<CheckRow> run_checks(const std::vector<Device>& devices, const CheckOptions& options,
                                  uint64_t* seed_used = nullptr);

@@ -11,6 +11,7 @@ namespace {
 struct Entry {
   const char* op;
   void (*fn)(detail::CheckContext&);
+  bool gpu = true;  // false: the op has no GPU path yet; GPU devices skip it
 };
 // Table order is the order of `m3rt check`'s rows.
 constexpr Entry kChecks[] = {
@@ -23,7 +24,7 @@ constexpr Entry kChecks[] = {
     {"indexer_decode", detail::check_indexer_decode},
     {"msa_prefill", detail::check_msa_prefill},
     {"msa_decode", detail::check_msa_decode},
-    {"dspark_draft", detail::check_dspark_draft},
+    {"dspark_draft", detail::check_dspark_draft, false},
 };
 }  // namespace
 
@@ -31,6 +32,12 @@ std::vector<std::string> check_op_names() {
   std::vector<std::string> names;
   for (const Entry& e : kChecks) names.emplace_back(e.op);
   return names;
+}
+
+bool check_op_has_gpu(const std::string& op) {
+  for (const Entry& e : kChecks)
+    if (op == e.op) return e.gpu;
+  return false;
 }
 
 std::vector<CheckRow> run_checks(const std::vector<Device>& devices, const CheckOptions& options,
@@ -45,6 +52,7 @@ std::vector<CheckRow> run_checks(const std::vector<Device>& devices, const Check
     for (const Entry& e : kChecks) {
       if (!options.filter.empty() && std::string(e.op).find(options.filter) == std::string::npos)
         continue;
+      if (dev.is_cuda() && !e.gpu) continue;
       detail::CheckContext ctx{dev, rng, rows, e.op, ""};
       const size_t before = rows.size();
       try {

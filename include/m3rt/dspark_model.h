@@ -67,6 +67,15 @@ class DsparkModel {
   void precompute_context(const TensorView& target_hidden, const TensorView& positions, const TensorView& slots);
   void draft(const DsparkDraftArgs& args);
 
+  // Wall times of the last calls, in milliseconds (host clock; the CPU model runs synchronously).
+  struct Timings {
+    double precompute_ms = 0;  // precompute_context: fc, hidden norm, K/V GEMM, cache writes
+    double backbone_ms = 0;    // draft: embedding and the decoder layers
+    double lm_head_ms = 0;     // draft: final norm and LM head
+    double heads_ms = 0;       // draft: Markov loop and confidence head
+  };
+  const Timings& last_timings() const;
+
   const DsparkConfig& config() const;
   // Layer l's KV cache [num_cache_blocks, Hkv, 128, 256].
   const Tensor& kv_cache(int layer) const;

@@ -2,18 +2,25 @@
 //   m3rt check [--device cpu|cuda|all] [--seed N] [--filter OP]   correctness self-test
 //   m3rt bench [--filter OP] [--json FILE] [--quick]              GPU benchmarks
 //   m3rt make-tiny-draft DIR [--mxfp8] [--seed N]                   a small random DSpark checkpoint
+//   m3rt draft [--checkpoint DIR [--target FILE]...] [--requests R] [--context N] [--temperature T]
+//              [--seed N] [--mxfp8]                                 draft tokens with the CPU model
 //   m3rt version
 // Every error becomes one line on stderr and a non-zero exit.
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
+#include <random>
 #include <iostream>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "m3rt/check.h"
 #include "m3rt/dspark_checkpoint.h"
+#include "m3rt/dspark_model.h"
 #include "m3rt/error.h"
 #include "m3rt/tensor.h"
 
@@ -38,6 +45,10 @@ const char* kUsage =
     "  make-tiny-draft DIR [--mxfp8] [--seed N]\n"
     "        write a small random DSpark draft checkpoint in the real format (config.json,\n"
     "        draft.safetensors, target/model.safetensors) and load it back to check it\n"
+    "  draft [--checkpoint DIR [--target FILE]...] [--requests R] [--context N] [--temperature T]\n"
+    "        [--seed N] [--mxfp8]\n"
+    "        run the DSpark drafter (CPU model) on a checkpoint (default: a tiny generated one) with\n"
+    "        synthetic target hidden states: drafted tokens, confidences, per-stage times\n"
     "  version\n";
 
 struct Args {
@@ -194,6 +205,111 @@ int cmd_make_tiny_draft(Args& a) {
   return 0;
 }
 
+// A random tiny checkpoint in a scratch directory, removed with the object.
+struct TinyCheckpointDir {
+  std::filesystem::path dir;
+  TinyCheckpointDir(DsparkQuant quant, uint64_t seed) {
+    dir = std::filesystem::temp_directory_path() / ("m3rt_draft_" + std::to_string(uint64_t(std::time(nullptr))) +
+                                                    "_" + std::to_string(seed));
+    make_tiny_dspark_checkpoint(dir.string(), tiny_dspark_config(quant), {quant, seed});
+  }
+  ~TinyCheckpointDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
+  }
+};
+
+int cmd_draft(Args& a) {
+  std::string dir;
+  std::vector<std::string> targets;
+  int64_t requests = 2, context = 300;
+  float temperature = 0.f;
+  uint64_t seed = 1;
+  DsparkQuant quant = DsparkQuant::kBFloat16;
+  while (a.more()) {
+    const std::string flag = a.next("");
+    if (flag == "--checkpoint") dir = a.next(flag);
+    else if (flag == "--target") targets.push_back(a.next(flag));
+    else if (flag == "--requests") requests = int64_t(parse_u64(flag, a.next(flag)));
+    else if (flag == "--context") context = int64_t(parse_u64(flag, a.next(flag)));
+    else if (flag == "--seed") seed = parse_u64(flag, a.next(flag));
+    else if (flag == "--mxfp8") quant = DsparkQuant::kMxfp8;
+    else if (flag == "--temperature") {
+      const std::string v = a.next(flag);
+      char* end = nullptr;
+      temperature = std::strtof(v.c_str(), &end);
+      if (end == v.c_str() || *end != '\0' || !(temperature >= 0.f) || !std::isfinite(temperature))
+        throw Error("draft: --temperature = '" + v + "': expected a finite number >= 0");
+    } else {
+      throw Error("draft: unknown option '" + flag + "'");
+    }
+  }
+  if (requests < 1 || requests > 64) throw Error("draft: --requests = " + std::to_string(requests) + ": supported 1..64");
+  if (context < 1 || context > 32768) throw Error("draft: --context = " + std::to_string(context) + ": supported 1..32768");
+  std::unique_ptr<TinyCheckpointDir> tiny;
+  if (dir.empty()) {
+    if (!targets.empty()) throw Error("draft: --target needs --checkpoint");
+    tiny = std::make_unique<TinyCheckpointDir>(quant, seed);
+    dir = tiny->dir.string();
+  }
+  if (targets.empty()) targets.push_back((std::filesystem::path(dir) / "target" / "model.safetensors").string());
+  const DsparkCheckpoint ck(dir, targets);
+  const DsparkConfig& c = ck.config();
+  const int64_t N = c.block_size, H = c.hidden_size, nt = int64_t(c.target_layer_ids.size());
+  const int64_t pages = (context + N + 127) / 128;
+  DsparkModel model(ck, {.num_cache_blocks = int(requests * pages)});
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> unit(-1.f, 1.f);
+  // Synthetic target hidden states for every request's context, then one draft step.
+  const int64_t T = requests * context;
+  Tensor hidden = Tensor::empty({T, nt * H}, DType::kBFloat16), pos = Tensor::empty({T}, DType::kInt64),
+         slots = Tensor::empty({T}, DType::kInt64), table = Tensor::empty({requests, pages}, DType::kInt32);
+  for (int64_t i = 0; i < hidden.numel(); ++i) hidden.ptr<uint16_t>()[i] = float_to_bf16(unit(rng));
+  for (int64_t r = 0; r < requests; ++r)
+    for (int64_t b = 0; b < pages; ++b) table.ptr<int32_t>()[r * pages + b] = int32_t(r * pages + b);
+  for (int64_t r = 0; r < requests; ++r)
+    for (int64_t p = 0; p < context; ++p) {
+      pos.ptr<int64_t>()[r * context + p] = p;
+      slots.ptr<int64_t>()[r * context + p] = (r * pages + p / 128) * 128 + p % 128;
+    }
+  model.precompute_context(hidden, pos, slots);
+  Tensor anchors = Tensor::empty({requests}, DType::kInt32), apos = Tensor::empty({requests}, DType::kInt64),
+         bslots = Tensor::empty({requests, N}, DType::kInt64), temps = Tensor::empty({requests}, DType::kFloat32),
+         seeds = Tensor::empty({requests}, DType::kInt64), tokens = Tensor::empty({requests, N}, DType::kInt32),
+         probs = Tensor::empty({requests, N, c.vocab_size}, DType::kFloat32);
+  Tensor conf = c.confidence_head ? Tensor::empty({requests, N}, DType::kFloat32) : Tensor();
+  for (int64_t r = 0; r < requests; ++r) {
+    anchors.ptr<int32_t>()[r] = int32_t(rng() % uint64_t(c.vocab_size));
+    apos.ptr<int64_t>()[r] = context;
+    temps.ptr<float>()[r] = temperature;
+    seeds.ptr<int64_t>()[r] = int64_t(seed + uint64_t(r));
+    for (int64_t j = 0; j < N; ++j)
+      bslots.ptr<int64_t>()[r * N + j] = (r * pages + (context + j) / 128) * 128 + (context + j) % 128;
+  }
+  model.draft({.anchor_tokens = anchors, .anchor_positions = apos, .block_slots = bslots, .block_table = table,
+               .temperatures = temps, .seeds = seeds, .draft_tokens = tokens, .draft_probs = probs, .confidence = conf});
+  std::printf("checkpoint %s: %d layers, hidden %d, %d/%d heads, vocab %d, block %lld, %s; %lld requests, context %lld, "
+              "temperature %g\n",
+              tiny ? "(tiny, generated)" : dir.c_str(), c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads,
+              c.vocab_size, (long long)N, c.quant == DsparkQuant::kMxfp8 ? "MXFP8" : "bf16", (long long)requests,
+              (long long)context, double(temperature));
+  for (int64_t r = 0; r < requests; ++r) {
+    std::printf("request %lld  anchor %d  drafts:", (long long)r, anchors.ptr<int32_t>()[r]);
+    for (int64_t j = 0; j < N; ++j) {
+      const int32_t t = tokens.ptr<int32_t>()[r * N + j];
+      std::printf(" %d(p=%.3f", t, double(probs.ptr<float>()[(r * N + j) * c.vocab_size + t]));
+      if (conf.data()) std::printf(",c=%.3f", double(conf.ptr<float>()[r * N + j]));
+      std::printf(")");
+    }
+    std::printf("\n");
+  }
+  const DsparkModel::Timings& tm = model.last_timings();
+  std::printf("times (CPU model, ms): context precompute %.2f (%lld rows) | draft step: backbone %.2f, final norm + "
+              "LM head %.2f, Markov + confidence %.2f\n",
+              tm.precompute_ms, (long long)T, tm.backbone_ms, tm.lm_head_ms, tm.heads_ms);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -208,6 +324,7 @@ int main(int argc, char** argv) {
     if (cmd == "check") return cmd_check(a);
     if (cmd == "bench") return cmd_bench(a);
     if (cmd == "make-tiny-draft") return cmd_make_tiny_draft(a);
+    if (cmd == "draft") return cmd_draft(a);
     if (cmd == "version") {
       std::printf("m3rt 0.1.0 (commit %s, %s)\n", M3RT_GIT_COMMIT, built_with_cuda() ? "CUDA" : "CPU only");
       return 0;

@@ -2,6 +2,7 @@
 #include "m3rt/dspark_model.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -90,7 +91,14 @@ struct DsparkModel::Impl {
   Tensor cos_sin, k_scale, v_scale;
   std::vector<Tensor> caches;
   std::unique_ptr<DsparkContextKvWriter> writer;
+  Timings times;
 };
+
+namespace {
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
 
 DsparkModel::DsparkModel(const DsparkCheckpoint& ck, const DsparkModelOptions& opt) : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
@@ -153,6 +161,7 @@ DsparkModel::DsparkModel(const DsparkCheckpoint& ck, const DsparkModelOptions& o
 DsparkModel::~DsparkModel() = default;
 
 const DsparkConfig& DsparkModel::config() const { return impl_->c; }
+const DsparkModel::Timings& DsparkModel::last_timings() const { return impl_->times; }
 const Tensor& DsparkModel::kv_cache(int layer) const { return impl_->caches.at(size_t(layer)); }
 
 void DsparkModel::precompute_context(const TensorView& hidden, const TensorView& positions, const TensorView& slots) {
@@ -169,6 +178,7 @@ void DsparkModel::precompute_context(const TensorView& hidden, const TensorView&
   require_index_vector(kOp, "positions", positions, T, Device::cpu());
   require_index_vector(kOp, "slots", slots, T, Device::cpu());
   if (T == 0) return;
+  const auto t0 = std::chrono::steady_clock::now();
   const Tensor states = linear(hidden, m.fc);
   Tensor x = Tensor::empty({T, H}, DType::kBFloat16);
   gemma_rms_norm(x, states, m.hidden_norm, c.rms_norm_eps);
@@ -177,6 +187,7 @@ void DsparkModel::precompute_context(const TensorView& hidden, const TensorView&
       TensorView::contiguous(all_kv.data(), DType::kBFloat16, {T, c.num_layers, 2, c.num_kv_heads, c.head_dim});
   (*m.writer)({.all_kv = kv5, .k_norm_weight = m.k_norm_all, .eps = c.rms_norm_eps, .positions = positions,
                .cos_sin_cache = m.cos_sin, .rotary_dim = c.rotary_dim, .slot_mapping = slots});
+  m.times.precompute_ms = ms_since(t0);
 }
 
 void DsparkModel::draft(const DsparkDraftArgs& a) {
@@ -241,6 +252,7 @@ void DsparkModel::draft(const DsparkDraftArgs& a) {
     }
   }
   // Embedding rows (the target's table).
+  auto t0 = std::chrono::steady_clock::now();
   Tensor h = Tensor::empty({T, H}, DType::kBFloat16);
   for (int64_t t = 0; t < T; ++t)
     std::memcpy(h.ptr<uint16_t>() + t * H, m.embed.ptr<uint16_t>() + int64_t(ids.ptr<int32_t>()[t]) * H, size_t(H) * 2);
@@ -276,9 +288,13 @@ void DsparkModel::draft(const DsparkDraftArgs& a) {
     swiglu_oai(act, gate_up, {.alpha = c.swiglu_alpha, .limit = c.swiglu_limit, .beta = c.swiglu_beta});
     h = linear(act, L.w_down);
   }
+  m.times.backbone_ms = ms_since(t0);
+  t0 = std::chrono::steady_clock::now();
   Tensor head = Tensor::empty({T, H}, DType::kBFloat16);
   gemma_fused_add_rms_norm(head, h, residual, m.final_norm, c.rms_norm_eps);
   const Tensor logits = linear(head, m.lm_head);
+  m.times.lm_head_ms = ms_since(t0);
+  t0 = std::chrono::steady_clock::now();
   const TensorView logits3 = TensorView::contiguous(logits.data(), DType::kBFloat16, {R, N, V});
   const TensorView head3 = TensorView::contiguous(head.data(), DType::kBFloat16, {R, N, H});
   DsparkHeadsArgs ha{.base_logits = logits3, .w1 = m.w1, .w2 = m.w2, .anchor_tokens = a.anchor_tokens,
@@ -291,6 +307,7 @@ void DsparkModel::draft(const DsparkDraftArgs& a) {
     ha.confidence = a.confidence;
   }
   dspark_markov_heads(ha);
+  m.times.heads_ms = ms_since(t0);
   if (a.head_hidden.defined()) {
     require_shape(kOp, "head_hidden", a.head_hidden, {T, H});
     require_dtype(kOp, "head_hidden", a.head_hidden, {DType::kBFloat16});

@@ -44,7 +44,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "core/cuda_check.h"
 #include "m3rt/error.h"
@@ -762,15 +764,21 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
                 " needs more shared memory than this GPU has");
   cfg.stages = std::min(stages, 8);
   cfg.smem = smem_layout(fp8, cfg.stages, tg, G, topk, max_blocks, warps).total;
-  // Raise the kernel's dynamic shared memory limit when a call needs more than any before.
-  static KernelFn fns[4] = {};
-  static int sizes[4] = {};
-  int i = 0;
-  while (i < 3 && fns[i] != nullptr && fns[i] != cfg.fn) ++i;
-  if (fns[i] != cfg.fn || sizes[i] < cfg.smem) {
+  // Raise the kernel's dynamic shared memory limit (a per-device function attribute) when a call
+  // needs more than any before on this device; calls may come from several host threads.
+  struct Raised {
+    int dev;
+    KernelFn fn;
+    int smem;
+  };
+  static std::mutex mu;
+  static std::vector<Raised> raised;
+  const std::lock_guard<std::mutex> lock(mu);
+  auto it = std::find_if(raised.begin(), raised.end(), [&](const Raised& r) { return r.dev == dev && r.fn == cfg.fn; });
+  if (it == raised.end() || it->smem < cfg.smem) {
     M3RT_CUDA_CHECK(cudaFuncSetAttribute(cfg.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, cfg.smem));
-    fns[i] = cfg.fn;
-    sizes[i] = cfg.smem;
+    if (it == raised.end()) raised.push_back({dev, cfg.fn, cfg.smem});
+    else it->smem = cfg.smem;
   }
   return cfg;
 }

@@ -110,8 +110,8 @@ void run(DsparkQuant quant, const Scenario& sc, uint64_t seed, int sliding_windo
     // at the same points but may differ by an ulp where sums are ordered differently.
     EXPECT_LE(head_err, 0.01 * head_max) << "request " << r;
     EXPECT_LE(logit_err, 0.01 * logit_max) << "request " << r;
-    // Greedy drafts: the oracle's Markov loop on its own logits, compared while its top-2 margin
-    // is clearly above the logits' error.
+    // Greedy drafts: the oracle's own Markov loop on its logits, compared while its top-2 margin is
+    // clearly above the logits' error (the model and the oracle draft the same sequence).
     const std::vector<int32_t> want = ref.greedy_drafts(sc.anchors[size_t(r)], rl, float(4 * logit_err + 0.05));
     int compared = 0;
     for (int64_t j = 0; j < N && want[size_t(j)] != -2; ++j, ++compared)

@@ -1,9 +1,10 @@
 // The `m3rt check` rows of the DSpark draft model (dspark_draft): a tiny random checkpoint (bf16,
 // and MXFP8 with a 200-key window), two requests with random context lengths and anchors; the
 // model's head_hidden and logits against the independent oracle (src/model/dspark_oracle.h) within
-// 4 bf16 ulps or 0.02 absolute (measured: one ulp at the largest values), and its greedy drafts
-// equal to the oracle's at every step whose top-2 margin is clear of the logits' error. The draft
-// model has no GPU path yet: the registry (src/check/check.cpp) runs this check on the CPU only.
+// 4 bf16 ulps or 2% of the tensor's largest value per element, and each greedy draft equal to the
+// oracle's argmax after the model's previous token wherever that top-2 margin is clear of the
+// logits' error. The draft model has no GPU path yet: the registry (src/check/check.cpp) runs this
+// check on the CPU only.
 #include <unistd.h>
 
 #include <algorithm>
@@ -93,7 +94,7 @@ void check_variant(CheckContext& c, DsparkQuant quant, int window) {
   drafts.variant = c.variant;
   drafts.device = c.device.str();
   drafts.output = "greedy drafts";
-  drafts.unit = "mismatches";
+  drafts.unit = "mismatches";  // `checked` counts the steps with a clear answer
   int64_t mismatches = 0;
   for (int r = 0; r < R; ++r) {
     std::vector<std::vector<float>> rh, rl;
@@ -106,8 +107,11 @@ void check_variant(CheckContext& c, DsparkQuant quant, int window) {
         err = std::max(err, std::fabs(double(b2f(logits.ptr<uint16_t>()[(r * N + j) * V + v])) - rl[size_t(j)][size_t(v)]));
       }
     }
-    const std::vector<int32_t> want = oracle.greedy_drafts(anchor[r], rl, float(4 * err + 0.05));
-    for (int64_t j = 0; j < N && want[size_t(j)] != -2; ++j) {
+    // The oracle's step j follows the model's token j - 1, so every clear step is checked.
+    const std::vector<int32_t> want =
+        oracle.greedy_drafts(anchor[r], rl, float(4 * err + 0.05), tokens.ptr<int32_t>() + r * N);
+    for (int64_t j = 0; j < N; ++j) {
+      if (want[size_t(j)] == -2) continue;
       ++drafts.checked;
       if (tokens.ptr<int32_t>()[r * N + j] != want[size_t(j)]) {
         ++mismatches;
@@ -115,8 +119,17 @@ void check_variant(CheckContext& c, DsparkQuant quant, int window) {
       }
     }
   }
-  add_row(c, "head_hidden", head, want_head, DType::kBFloat16, 4, 0.02);
-  add_row(c, "logits", logits, want_logits, DType::kBFloat16, 4, 0.02);
+  // Per element: 4 ulps, or 2% of the tensor's largest value. The two evaluations round at the same
+  // points but sum in different orders; a one-ulp difference in an early intermediate flips later
+  // roundings and grows through the layers (measured over 40 seeds: up to 0.8% of the largest value
+  // on a few elements, one ulp on almost all).
+  auto max_abs = [](const Tensor& t) {
+    double m = 0;
+    for (int64_t i = 0; i < t.numel(); ++i) m = std::max(m, std::fabs(double(b2f(t.ptr<uint16_t>()[i]))));
+    return m;
+  };
+  add_row(c, "head_hidden", head, want_head, DType::kBFloat16, 4, 0.02 * max_abs(want_head));
+  add_row(c, "logits", logits, want_logits, DType::kBFloat16, 4, 0.02 * max_abs(want_logits));
   drafts.worst = double(mismatches);
   drafts.pass = mismatches == 0 && drafts.checked > 0;
   if (!drafts.pass)

@@ -170,8 +170,8 @@ void DsparkOracle::block(int req, int32_t anchor, int64_t p, std::vector<Vec>& h
   }
 }
 
-std::vector<int32_t> DsparkOracle::greedy_drafts(int32_t anchor, const std::vector<Vec>& logits,
-                                                 float min_margin) const {
+std::vector<int32_t> DsparkOracle::greedy_drafts(int32_t anchor, const std::vector<Vec>& logits, float min_margin,
+                                                 const int32_t* forced_prev) const {
   const Vec& w1 = W("markov_head.markov_w1.weight");
   const Vec& w2 = W("markov_head.markov_w2.weight");
   const int64_t rank = c_.markov_rank, V = c_.vocab_size;
@@ -187,9 +187,14 @@ std::vector<int32_t> DsparkOracle::greedy_drafts(int32_t anchor, const std::vect
       if (best < 0 || l[size_t(v)] > l[size_t(best)]) second = best, best = int32_t(v);
       else if (second < 0 || l[size_t(v)] > l[size_t(second)]) second = int32_t(v);
     }
-    if (l[size_t(best)] - l[size_t(second)] < min_margin) break;
-    out[j] = best;
-    prev = best;
+    const bool clear = l[size_t(best)] - l[size_t(second)] >= min_margin;
+    if (clear) out[j] = best;
+    if (forced_prev) {
+      prev = forced_prev[j];
+    } else {
+      if (!clear) break;
+      prev = best;
+    }
   }
   return out;
 }

@@ -25,9 +25,12 @@ class DsparkOracle {
   // The block of request `req` with its anchor at position p: head_hidden [N][H] and logits
   // [N][V] (bf16 values); stores the block's K/V.
   void block(int req, int32_t anchor, int64_t p, std::vector<Vec>& head, std::vector<Vec>& logits);
-  // Greedy Markov drafts from the logits of block(): per step argmax(logits + W2 . W1[prev]),
-  // stopping (the rest -2) at the first step whose top-2 margin is below `min_margin`.
-  std::vector<int32_t> greedy_drafts(int32_t anchor, const std::vector<Vec>& logits, float min_margin) const;
+  // Greedy Markov drafts from the logits of block(): per step argmax(logits + W2 . W1[prev]), with
+  // prev = the anchor, then the previous step's token. A step whose top-2 margin is below
+  // `min_margin` is -2 (no clear answer); without `forced_prev` the loop stops there (the rest -2),
+  // with it every step runs, taking prev from forced_prev[j - 1] (e.g. the tokens being checked).
+  std::vector<int32_t> greedy_drafts(int32_t anchor, const std::vector<Vec>& logits, float min_margin,
+                                     const int32_t* forced_prev = nullptr) const;
 
   const DsparkConfig& config() const { return c_; }
 

@@ -41,7 +41,14 @@ std::string supported_dtypes() {
   return s;
 }
 
-std::string range_str(uint64_t a, uint64_t b) { return "[" + std::to_string(a) + ", " + std::to_string(b) + "]"; }
+std::string range_str(uint64_t a, uint64_t b) {
+  std::string s = "[";  // appended piece by piece: GCC 12 warns falsely on "[" + to_string (bug 105329)
+  s += std::to_string(a);
+  s += ", ";
+  s += std::to_string(b);
+  s += "]";
+  return s;
+}
 
 std::string shape_str(const std::vector<int64_t>& shape) {
   std::string s = "[";

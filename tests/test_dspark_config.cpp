@@ -583,4 +583,31 @@ TEST(DsparkConfig, FileErrorsNameThePath) {
   }
 }
 
+// Every input of the fuzzer's corpus (scripts/fuzz.sh dspark_config) parses or raises m3rt::Error,
+// and a config that parses reads back the same through dspark_config_json.
+TEST(DsparkConfig, FuzzCorpusNeverCrashes) {
+  const std::filesystem::path corpus =
+      std::filesystem::path(M3RT_SOURCE_DIR) / "tests" / "fuzz" / "corpus" / "dspark_config";
+  ASSERT_TRUE(std::filesystem::is_directory(corpus)) << corpus;
+  int files = 0, parsed = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(corpus)) {
+    std::ifstream in(entry.path(), std::ios::binary);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    ++files;
+    DsparkConfig c;
+    try {
+      c = parse_dspark_config(text, entry.path().filename().string());
+    } catch (const Error&) {
+      continue;
+    }
+    ++parsed;
+    const DsparkConfig back = parse_dspark_config(dspark_config_json(c), "round trip");
+    EXPECT_EQ(back.num_layers, c.num_layers) << entry.path();
+    EXPECT_EQ(back.target_layer_ids, c.target_layer_ids) << entry.path();
+    EXPECT_EQ(back.rope_theta, c.rope_theta) << entry.path();
+  }
+  EXPECT_GT(files, 10);
+  EXPECT_GT(parsed, 0);
+}
+
 }  // namespace

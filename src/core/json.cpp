@@ -1,3 +1,4 @@
+// Strict JSON reading and compact writing; rules and API: json.h.
 #include "core/json.h"
 
 #include <algorithm>

@@ -4,7 +4,9 @@
 // Top-k lists as the indexer writes them: the local block plus 15 distinct earlier blocks (every
 // visible block when there are at most 16), ascending. Verify (dql 8) lists share most of their
 // pages: each row takes its request's base list with two random substitutions, plus its own local
-// block. Bytes per call = the unique (request, KV head, page) slices selected (each page slice is
+// block. Prefill runs twice: independent random lists per token (the worst case for page reuse),
+// and "shared8" — runs of 8 consecutive tokens sharing their first token's list the same way
+// (adjacent queries select mostly the same blocks). Bytes per call = the unique (request, KV head, page) slices selected (each page slice is
 // 128 x 256 x 1 or 2 bytes) + q + out; decode is reported against the copy ceiling measured in the
 // run. Prefill FLOPs = 4 x 128 per (token, query head, visible key of a selected block) (QK^T and
 // PV), against the bf16 GEMM rate measured in the run. Inputs rotate over sets larger than 3x L2
@@ -50,7 +52,26 @@ struct Batch {
 };
 
 // `sets` batches over disjoint page ranges of one cache of `pages_per_set * sets` pages.
-std::vector<Batch> make_sets(std::mt19937_64& rng, bool fp8, int B, int ctx, int dql, int q_len, int sets) {
+// A row's list that shares most of `base`: base's ids below the row's local block, two of them
+// replaced by random earlier blocks, then the local block.
+std::vector<int32_t> shared_list(std::mt19937_64& rng, const std::vector<int32_t>& base, int row_nb) {
+  std::set<int32_t> pick;
+  for (int32_t id : base)
+    if (id >= 0 && id < row_nb - 1) pick.insert(id);
+  for (int k = 0; k < 2 && !pick.empty(); ++k) pick.erase(std::next(pick.begin(), long(rng() % pick.size())));
+  while (int(pick.size()) < kTopk - 1) pick.insert(int32_t(rng() % uint64_t(row_nb - 1)));
+  pick.insert(row_nb - 1);
+  std::vector<int32_t> ids(pick.begin(), pick.end());
+  ids.resize(kTopk, -1);
+  return ids;
+}
+
+// `sets` batches over disjoint page ranges of one cache of `pages_per_set * sets` pages. Decode
+// (dql 1): indexer-like lists; verify (dql > 1): the rows share their request's list
+// (shared_list); prefill (dql 0, q_len tokens): independent lists, or with share > 1 runs of
+// `share` consecutive tokens sharing the list of the run's first token.
+std::vector<Batch> make_sets(std::mt19937_64& rng, bool fp8, int B, int ctx, int dql, int q_len, int sets,
+                             int share = 0) {
   const int nb = ctx / kPageTokens;
   const int64_t pages_per_set = int64_t(B) * nb;
   const int rows_per_req = dql ? dql : q_len;
@@ -74,23 +95,13 @@ std::vector<Batch> make_sets(std::mt19937_64& rng, bool fp8, int B, int ctx, int
     for (int b = 0; b < B; ++b)
       for (int g = 0; g < kHkv; ++g) {
         std::set<int32_t> unique;
-        const std::vector<int32_t> base = indexer_like_list(rng, nb);
+        std::vector<int32_t> base = indexer_like_list(rng, nb);
         for (int r = 0; r < rows_per_req; ++r) {
           const int64_t pos = int64_t(ctx) - rows_per_req + r;
           const int row_nb = int(pos / kPageTokens) + 1;
-          std::vector<int32_t> ids;
-          if (dql > 1 && row_nb > kTopk) {  // verify: the base list, two substitutions, own local block
-            std::set<int32_t> pick(base.begin(), base.end());
-            pick.erase(-1);
-            pick.erase(nb - 1);
-            for (int k = 0; k < 2 && !pick.empty(); ++k) pick.erase(std::next(pick.begin(), long(rng() % pick.size())));
-            while (int(pick.size()) < kTopk - 1) pick.insert(int32_t(rng() % uint64_t(row_nb - 1)));
-            pick.insert(row_nb - 1);
-            ids.assign(pick.begin(), pick.end());
-            ids.resize(kTopk, -1);
-          } else {
-            ids = indexer_like_list(rng, row_nb);
-          }
+          if (dql == 0 && share > 1 && r % share == 0) base = indexer_like_list(rng, row_nb);
+          const bool shared = (dql > 1 || (dql == 0 && share > 1)) && row_nb > kTopk;
+          const std::vector<int32_t> ids = shared ? shared_list(rng, base, row_nb) : indexer_like_list(rng, row_nb);
           const int64_t t = int64_t(b) * rows_per_req + r;
           std::copy(ids.begin(), ids.end(), topk.ptr<int32_t>() + (t * kHkv + g) * kTopk);
           for (int32_t id : ids) {
@@ -173,8 +184,9 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
   if (env.gemm_tflops == 0) env.gemm_tflops = measure_gemm_tflops();
   for (bool fp8 : {false, true}) {
     const KvCacheDtype kd = fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;
-    for (int L : env.quick ? std::vector<int>{8192} : std::vector<int>{8192, 32768}) {
-      std::vector<Batch> batch = make_sets(rng, fp8, 1, L, 0, L, 1);
+    for (int L : env.quick ? std::vector<int>{8192} : std::vector<int>{8192, 32768})
+    for (int share : {0, 8}) {
+      std::vector<Batch> batch = make_sets(rng, fp8, 1, L, 0, L, 1, share);
       const Batch& bt = batch[0];
       const MsaPrefillArgs a{.q = bt.q, .cache = {bt.cache, kd, ksd, vsd}, .topk = bt.topk_view,
                              .cu_seqlens_q = bt.cu, .seq_lens = bt.lens, .block_table = bt.table,
@@ -182,7 +194,8 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
       auto call = [&](int, CUstream_st* st) { msa_prefill(a, st); };
       BenchRow r;
       r.op = "msa_attention";
-      r.variant = std::string("prefill ") + (fp8 ? "fp8" : "bf16") + " " + std::to_string(L / 1024) + "K";
+      r.variant = std::string("prefill ") + (fp8 ? "fp8" : "bf16") + " " + std::to_string(L / 1024) + "K" +
+                  (share ? " shared" + std::to_string(share) : "");
       r.us = time_us(call, 1, true, env, 3);
       r.tflops = bt.flops / (r.us * 1e6);
       r.ceiling = "gemm";
@@ -191,7 +204,7 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
       r.gbps = r.bytes / (r.us * 1e3);
       r.note = std::to_string(int(r.tflops)) + " TFLOP/s effective";
       rows.push_back(r);
-      if (L == 8192 && !env.quick) {
+      if (L == 8192 && share == 0 && !env.quick) {
         msa_force_baseline(true);
         rows.back().ratios.push_back({"vs baseline kernel", time_us(call, 1, true, env, 3) / r.us});
         msa_force_baseline(false);

@@ -57,7 +57,9 @@ struct DsparkDraftArgs {
 
 class DsparkModel {
  public:
-  // Copies (or dequantizes) the weights it needs into its own layout; `ckpt` may be dropped after.
+  // Copies (or dequantizes) the layers' weights into its own layout and keeps views of the
+  // embedding, LM head (the target's: shared, never copied) and Markov tables in the checkpoint's
+  // mapped files: `ckpt` must outlive the model.
   DsparkModel(const DsparkCheckpoint& ckpt, const DsparkModelOptions& opt);
   ~DsparkModel();
   DsparkModel(const DsparkModel&) = delete;

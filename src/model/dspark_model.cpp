@@ -21,8 +21,8 @@ constexpr const char* kOp = "DsparkModel";
 constexpr int kPage = kMsaPageSize;
 
 // y[T, N] = bf16(x[T, K] . W[N, K]^T), fp32 accumulation over k in order.
-Tensor linear(const TensorView& x, const Tensor& w) {
-  const int64_t T = x.shape[0], K = x.shape[1], N = w.view().shape[0];
+Tensor linear(const TensorView& x, const TensorView& w) {
+  const int64_t T = x.shape[0], K = x.shape[1], N = w.shape[0];
   Tensor y = Tensor::empty({T, N}, DType::kBFloat16);
   const uint16_t* xs = x.ptr<const uint16_t>();
   const uint16_t* ws = w.ptr<const uint16_t>();
@@ -87,7 +87,8 @@ struct DsparkModel::Impl {
   DsparkConfig c;
   DsparkModelOptions opt;
   std::vector<Layer> layers;
-  Tensor fc, hidden_norm, final_norm, w_kv_all, k_norm_all, embed, lm_head, w1, w2, conf_w, conf_b;
+  Tensor fc, hidden_norm, final_norm, w_kv_all, k_norm_all, conf_w, conf_b;
+  TensorView embed, lm_head, w1, w2;  // views into the checkpoint's mapped files (never copied)
   Tensor cos_sin, k_scale, v_scale;
   std::vector<Tensor> caches;
   std::unique_ptr<DsparkContextKvWriter> writer;
@@ -135,14 +136,14 @@ DsparkModel::DsparkModel(const DsparkCheckpoint& ck, const DsparkModelOptions& o
   m.fc = copy_of(ck.dspark("fc.weight"));
   m.hidden_norm = copy_of(ck.dspark("hidden_norm.weight"));
   m.final_norm = copy_of(ck.dspark("final_norm.weight"));
-  m.w1 = copy_of(ck.dspark("markov_head.markov_w1.weight"));
-  m.w2 = copy_of(ck.dspark("markov_head.markov_w2.weight"));
+  m.w1 = ck.dspark("markov_head.markov_w1.weight");
+  m.w2 = ck.dspark("markov_head.markov_w2.weight");
   if (c.confidence_head) {
     m.conf_w = copy_of(ck.dspark("confidence_head.proj.weight"));
     m.conf_b = copy_of(ck.dspark("confidence_head.proj.bias"));
   }
-  m.embed = copy_of(ck.tensor("language_model.model.embed_tokens.weight"));
-  m.lm_head = copy_of(ck.tensor("language_model.lm_head.weight"));
+  m.embed = ck.tensor("language_model.model.embed_tokens.weight");
+  m.lm_head = ck.tensor("language_model.lm_head.weight");
   m.cos_sin = detail::rope_table(c.max_position_embeddings, c.rotary_dim, float(c.rope_theta));
   m.k_scale = detail::scalar_f32(1.f);
   m.v_scale = detail::scalar_f32(1.f);
@@ -255,7 +256,7 @@ void DsparkModel::draft(const DsparkDraftArgs& a) {
   auto t0 = std::chrono::steady_clock::now();
   Tensor h = Tensor::empty({T, H}, DType::kBFloat16);
   for (int64_t t = 0; t < T; ++t)
-    std::memcpy(h.ptr<uint16_t>() + t * H, m.embed.ptr<uint16_t>() + int64_t(ids.ptr<int32_t>()[t]) * H, size_t(H) * 2);
+    std::memcpy(h.ptr<uint16_t>() + t * H, m.embed.ptr<const uint16_t>() + int64_t(ids.ptr<int32_t>()[t]) * H, size_t(H) * 2);
   Tensor residual = Tensor::empty({T, H}, DType::kBFloat16), x = Tensor::empty({T, H}, DType::kBFloat16);
   Tensor q = Tensor::empty({T, int64_t(c.num_heads) * D}, DType::kBFloat16);
   Tensor attn = Tensor::empty({T, c.num_heads, D}, DType::kBFloat16);

@@ -258,11 +258,11 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsWri
     std::vector<detail::Json> shape;
     for (int d = 0; d < t.ndim; ++d) shape.push_back(detail::Json::integer(t.shape[d]));
     const uint64_t bytes = uint64_t(t.numel() * dtype_size(t.dtype));
-    members.emplace_back(items[i].name,
-                         detail::Json::object({{"dtype", detail::Json::string(safetensors_dtype_name(t.dtype))},
-                                               {"shape", detail::Json::array(std::move(shape))},
-                                               {"data_offsets", detail::Json::array({detail::Json::integer(int64_t(begin[i])),
-                                                                                     detail::Json::integer(int64_t(begin[i] + bytes))})}}));
+    using detail::Json;
+    Json offsets = Json::array({Json::integer(int64_t(begin[i])), Json::integer(int64_t(begin[i] + bytes))});
+    members.emplace_back(items[i].name, Json::object({{"dtype", Json::string(safetensors_dtype_name(t.dtype))},
+                                                      {"shape", Json::array(std::move(shape))},
+                                                      {"data_offsets", std::move(offsets)}}));
   }
   std::string header = detail::Json::object(std::move(members)).dump();
   while ((8 + header.size()) % 8 != 0) header.push_back(' ');

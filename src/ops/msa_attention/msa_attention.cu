@@ -774,7 +774,8 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
   static std::mutex mu;
   static std::vector<Raised> raised;
   const std::lock_guard<std::mutex> lock(mu);
-  auto it = std::find_if(raised.begin(), raised.end(), [&](const Raised& r) { return r.dev == dev && r.fn == cfg.fn; });
+  auto it = std::find_if(raised.begin(), raised.end(),
+                         [&](const Raised& r) { return r.dev == dev && r.fn == cfg.fn; });
   if (it == raised.end() || it->smem < cfg.smem) {
     M3RT_CUDA_CHECK(cudaFuncSetAttribute(cfg.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, cfg.smem));
     if (it == raised.end()) raised.push_back({dev, cfg.fn, cfg.smem});

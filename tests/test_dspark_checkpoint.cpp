@@ -16,14 +16,14 @@
 
 #include "m3rt/dspark_checkpoint.h"
 #include "m3rt/error.h"
-#include "temp_dir.h"
+#include "core/temp_dir.h"
 
 namespace {
 
 using namespace m3rt;
 namespace fs = std::filesystem;
 
-using m3rt::testing::TempDir;
+using m3rt::detail::TempDir;
 
 std::string error_of(const std::function<void()>& f) {
   try {

@@ -16,7 +16,7 @@
 #include "m3rt/dspark_checkpoint.h"
 #include "m3rt/dspark_config.h"
 #include "m3rt/error.h"
-#include "temp_dir.h"
+#include "core/temp_dir.h"
 
 namespace {
 
@@ -551,7 +551,7 @@ TEST(DsparkConfig, JsonRefusesAnInvalidConfig) {
   EXPECT_THROW(dspark_config_json(DsparkConfig{}), Error);
 }
 
-using m3rt::testing::TempDir;
+using m3rt::detail::TempDir;
 
 TEST(DsparkConfig, ReadsAFile) {
   TempDir dir;

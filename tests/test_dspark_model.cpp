@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -17,12 +16,12 @@
 #include "m3rt/dspark_model.h"
 #include "m3rt/error.h"
 #include "model/dspark_oracle.h"
-#include "temp_dir.h"
+#include "core/temp_dir.h"
 
 namespace {
 
 using namespace m3rt;
-using m3rt::testing::TempDir;
+using m3rt::detail::TempDir;
 using Vec = std::vector<float>;  // the oracle's rows
 
 float rbf(float x) { return bf16_to_float(float_to_bf16(x)); }

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "m3rt/error.h"
-#include "temp_dir.h"
+#include "core/temp_dir.h"
 #include "m3rt/safetensors.h"
 #include "model/safetensors_parse.h"
 
@@ -22,7 +22,7 @@ namespace {
 using namespace m3rt;
 namespace fs = std::filesystem;
 
-using m3rt::testing::TempDir;
+using m3rt::detail::TempDir;
 
 // A file made of a header length, header text and data bytes, as given.
 std::string raw_file(uint64_t n, const std::string& header, const std::string& data) {

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "core/temp_dir.h"
 #include "m3rt/check.h"
 #include "m3rt/dspark_checkpoint.h"
 #include "m3rt/dspark_model.h"
@@ -207,15 +208,10 @@ int cmd_make_tiny_draft(Args& a) {
 
 // A random tiny checkpoint in a scratch directory, removed with the object.
 struct TinyCheckpointDir {
-  std::filesystem::path dir;
+  detail::TempDir tmp;
+  std::string dir = tmp.str();
   TinyCheckpointDir(DsparkQuant quant, uint64_t seed) {
-    dir = std::filesystem::temp_directory_path() / ("m3rt_draft_" + std::to_string(uint64_t(std::time(nullptr))) +
-                                                    "_" + std::to_string(seed));
-    make_tiny_dspark_checkpoint(dir.string(), tiny_dspark_config(quant), {quant, seed});
-  }
-  ~TinyCheckpointDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(dir, ec);
+    make_tiny_dspark_checkpoint(dir, tiny_dspark_config(quant), {quant, seed});
   }
 };
 
@@ -250,7 +246,7 @@ int cmd_draft(Args& a) {
   if (dir.empty()) {
     if (!targets.empty()) throw Error("draft: --target needs --checkpoint");
     tiny = std::make_unique<TinyCheckpointDir>(quant, seed);
-    dir = tiny->dir.string();
+    dir = tiny->dir;
   }
   if (targets.empty()) targets.push_back((std::filesystem::path(dir) / "target" / "model.safetensors").string());
   const DsparkCheckpoint ck(dir, targets);

@@ -5,16 +5,14 @@
 // oracle's argmax after the model's previous token wherever that top-2 margin is clear of the
 // logits' error. The draft model has no GPU path yet: the registry (src/check/check.cpp) runs this
 // check on the CPU only.
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
-#include <filesystem>
 #include <string>
 #include <vector>
 
 #include "check/check_helpers.h"
 #include "check/check_util.h"
+#include "core/temp_dir.h"
 #include "m3rt/dspark_checkpoint.h"
 #include "m3rt/dspark_model.h"
 #include "model/dspark_oracle.h"
@@ -23,27 +21,14 @@ namespace m3rt::detail {
 
 namespace {
 
-namespace fs = std::filesystem;
-
-struct ScratchDir {
-  fs::path path;
-  explicit ScratchDir(uint64_t tag) {
-    path = fs::temp_directory_path() / ("m3rt_check_dspark_" + std::to_string(::getpid()) + "_" + std::to_string(tag));
-    fs::create_directories(path);
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
 
 void check_variant(CheckContext& c, DsparkQuant quant, int window) {
   const uint64_t seed = c.rng.gen()();
-  ScratchDir dir(seed);
+  TempDir dir;
   DsparkConfig cfg = tiny_dspark_config(quant);
   cfg.sliding_window = window;
-  make_tiny_dspark_checkpoint(dir.path.string(), cfg, {quant, seed});
-  const DsparkCheckpoint ck(dir.path.string(), {(dir.path / "target" / "model.safetensors").string()});
+  make_tiny_dspark_checkpoint(dir.str(), cfg, {quant, seed});
+  const DsparkCheckpoint ck(dir.str(), {dir / "target/model.safetensors"});
   constexpr int R = 2, kMaxBlocks = 8, kPage = 128;
   const int64_t N = cfg.block_size, H = cfg.hidden_size, V = cfg.vocab_size;
   const int64_t nt = int64_t(cfg.target_layer_ids.size());

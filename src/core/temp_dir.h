@@ -1,5 +1,5 @@
-// A fresh directory under the system temp dir for one test, removed with everything in it when the
-// object goes out of scope.
+// Internal: a fresh directory under the system temp dir (tests, `m3rt check`, `m3rt draft`'s
+// generated checkpoint), removed with everything in it when the object goes out of scope.
 #pragma once
 
 #include <unistd.h>
@@ -8,13 +8,13 @@
 #include <string>
 #include <system_error>
 
-namespace m3rt::testing {
+namespace m3rt::detail {
 
 class TempDir {
  public:
   TempDir() {
     static int counter = 0;
-    std::string name = "m3rt_test_";
+    std::string name = "m3rt_tmp_";
     name += std::to_string(::getpid());
     name += "_";
     name += std::to_string(counter++);
@@ -36,4 +36,4 @@ class TempDir {
   std::filesystem::path path_;
 };
 
-}  // namespace m3rt::testing
+}  // namespace m3rt::detail

@@ -33,6 +33,7 @@ if [ -n "$SAN" ]; then
     step "sanitizer-$tool" sanitizer.log "$SAN" --tool "$tool" --error-exitcode 9 "$BUILD_DIR/m3rt" check --device cuda
   done
   step sanitizer-graph sanitizer.log "$SAN" --tool memcheck --error-exitcode 9 "$BUILD_DIR/tests/test_gpu" --gtest_filter='*Graph*'
+  step sanitizer-drafter sanitizer.log "$SAN" --tool memcheck --error-exitcode 9 "$BUILD_DIR/tests/test_dspark_model" --gtest_filter='DsparkModelGpu.*'
 else
   NAMES+=("sanitizer"); RESULTS+=("NOT RUN (compute-sanitizer not found)")
 fi
@@ -42,6 +43,7 @@ cuobjdump --dump-sass "$BUILD_DIR/libm3rt.so" 2>/dev/null | awk '
   /Function : /{name=$3; keep=(name ~ /dspark_context_kv_kernelILi64ELb[01]E|qknorm_rope_kv_insert_kernelILi64ELNS_13QkvInsertModeE1E/)}
   keep && /^ +\/\*[0-9a-f]+\*\/ +[A-Z@]/ {op=$2; if (op ~ /^@/) op=$3; sub(/\..*/, "", op); count[name" "op]++; total[name]++}
   END {for (k in total) print "SASS", total[k], k; for (k in count) print "OP", count[k], k}' | sort -k2,2nr >>"$OUT/resource.txt"
+step draft-gpu draft.log "$BUILD_DIR/m3rt" draft --device cuda --requests 4 --temperature 0.8
 step bench bench.log "$BUILD_DIR/m3rt" bench --json "$OUT/bench.json" ${BENCH_ARGS:-}
 
 {

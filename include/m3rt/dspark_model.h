@@ -1,7 +1,8 @@
 // m3rt/dspark_model.h — the DSpark draft model (../shared/spec/dspark.md §2–§4), built from m3rt's
 // ops: context-K/V precompute and the draft step (backbone, LM head, Markov and confidence heads).
-// This version runs on the CPU (each op's reference path, GEMMs as plain fp32-accumulating loops);
-// the GPU step with cuBLASLt GEMMs and a CUDA graph is the next step of issue 5.
+// One model runs on one device: the CPU (each op's reference path, GEMMs as plain fp32-accumulating
+// loops: the reference) or a CUDA GPU (the ops' kernels, bf16 GEMMs through cuBLASLt, the Markov
+// loop on the device, the draft step captured in a CUDA graph per padded batch size).
 //
 // defines: DsparkModelOptions, DsparkDraftArgs, DsparkModel.
 //
@@ -39,6 +40,13 @@ struct DsparkModelOptions {
   int num_cache_blocks = 0;          // pages of 128 tokens in each layer's KV cache
   KvCacheDtype kv_cache_dtype = KvCacheDtype::kAuto;  // bf16 (auto/bfloat16) or fp8_e4m3 (scales 1)
   bool causal_block = false;         // true: block rows attend causally (spec §2.6's switch)
+  Device device = Device::cpu();     // where the weights, caches and every call's tensors live
+  // GPU only. The draft step's buffers are sized for max_batch requests and block tables of
+  // max_blocks_per_request columns (0: num_cache_blocks); a call with R requests runs the graph of
+  // the padded size P = the next power of two >= R (capped at max_batch), captured on first use.
+  int max_batch = 64;
+  int max_blocks_per_request = 0;
+  bool use_graphs = true;            // false: every step runs eagerly (same kernels, same bits)
 };
 
 struct DsparkDraftArgs {
@@ -55,32 +63,58 @@ struct DsparkDraftArgs {
   TensorView base_logits;       // optional out [R, N, V] bf16 (before the Markov bias)
 };
 
+// Calls on a GPU model take CUDA tensors on its device and enqueue their work on `stream` (the
+// model orders its own stream after it and `stream` after the work); they never synchronize the
+// host. Shapes, dtypes and devices are checked on the host (m3rt::Error); the values of device-side
+// inputs cannot be, so a draft request whose anchor token, position, block-table entries or slots
+// are invalid is drafted as padding (tokens -1, nothing written to the caches) and recorded;
+// check_input_errors() synchronizes and throws naming the first such request, field and value.
+// The CPU model throws those errors from draft() itself.
 class DsparkModel {
  public:
-  // Copies (or dequantizes) the layers' weights into its own layout and keeps views of the
-  // embedding, LM head (the target's: shared, never copied) and Markov tables in the checkpoint's
-  // mapped files: `ckpt` must outlive the model.
+  // Copies (or dequantizes) the layers' weights into its own layout. On the CPU it keeps views of
+  // the embedding, LM head (the target's: shared, never copied) and Markov tables in the
+  // checkpoint's mapped files, so `ckpt` must outlive the model; on a GPU every weight is uploaded
+  // once (the embedding and LM head too: one copy in GPU memory) and `ckpt` may be dropped.
   DsparkModel(const DsparkCheckpoint& ckpt, const DsparkModelOptions& opt);
+  // Random weights at the config's sizes (benchmarks at the real M3.1 dimensions without a
+  // checkpoint): uniform in [-a, a] with a = sqrt(3 / fan_in) for linears and the LM head, 1 for the
+  // embedding and W1, 0.1 for norms and the confidence head's bias, from a counter hash of `seed`.
+  DsparkModel(const DsparkConfig& config, const DsparkModelOptions& opt, uint64_t seed);
   ~DsparkModel();
   DsparkModel(const DsparkModel&) = delete;
   DsparkModel& operator=(const DsparkModel&) = delete;
 
   // target_hidden [T, n * H] bf16 (n = target layers), positions [T] int64, slots [T] int64.
-  void precompute_context(const TensorView& target_hidden, const TensorView& positions, const TensorView& slots);
-  void draft(const DsparkDraftArgs& args);
+  // Runs eagerly (its row count varies).
+  void precompute_context(const TensorView& target_hidden, const TensorView& positions, const TensorView& slots,
+                          stream_t stream = nullptr);
+  void draft(const DsparkDraftArgs& args, stream_t stream = nullptr);
+  // GPU: waits for the model's work, then throws m3rt::Error for the first request a draft call
+  // since the last check drafted as padding because of an invalid input (and forgets them all).
+  // CPU: nothing to do.
+  void check_input_errors();
 
-  // Wall times of the last calls, in milliseconds (host clock; the CPU model runs synchronously).
+  // Times of the last calls, in milliseconds: host clock on the CPU; on a GPU, CUDA events between
+  // the stages (recorded inside the graph too), read when this is called (it waits for them).
   struct Timings {
     double precompute_ms = 0;  // precompute_context: fc, hidden norm, K/V GEMM, cache writes
     double backbone_ms = 0;    // draft: embedding and the decoder layers
     double lm_head_ms = 0;     // draft: final norm and LM head
     double heads_ms = 0;       // draft: Markov loop and confidence head
+    double draft_ms = 0;       // draft: the whole step (GPU: graph launch to the last head kernel)
   };
   const Timings& last_timings() const;
 
   const DsparkConfig& config() const;
+  const DsparkModelOptions& options() const;
   // Layer l's KV cache [num_cache_blocks, Hkv, 128, 256].
   const Tensor& kv_cache(int layer) const;
+  // Bytes of weights one draft step reads (each layer's, the LM head, W2 once per Markov step;
+  // the embedding, W1 and confidence rows it gathers are not counted): the benchmarks' floor.
+  int64_t draft_weight_bytes() const;
+  // Padded sizes whose draft graph has been captured so far (GPU with graphs).
+  int graphs_captured() const;
 
  private:
   struct Impl;

@@ -24,7 +24,7 @@ constexpr Entry kChecks[] = {
     {"indexer_decode", detail::check_indexer_decode},
     {"msa_prefill", detail::check_msa_prefill},
     {"msa_decode", detail::check_msa_decode},
-    {"dspark_draft", detail::check_dspark_draft, false},
+    {"dspark_draft", detail::check_dspark_draft, true},
 };
 }  // namespace
 

@@ -3,7 +3,7 @@
 //   m3rt bench [--filter OP] [--json FILE] [--quick]              GPU benchmarks
 //   m3rt make-tiny-draft DIR [--mxfp8] [--seed N]                   a small random DSpark checkpoint
 //   m3rt draft [--checkpoint DIR [--target FILE]...] [--requests R] [--context N] [--temperature T]
-//              [--seed N] [--mxfp8]                                 draft tokens with the CPU model
+//              [--seed N] [--mxfp8] [--device auto|cpu|cuda|cuda:N]   draft tokens (CPU or GPU model)
 //   m3rt version
 // Every error becomes one line on stderr and a non-zero exit.
 #include <cmath>
@@ -47,9 +47,10 @@ const char* kUsage =
     "        write a small random DSpark draft checkpoint in the real format (config.json,\n"
     "        draft.safetensors, target/model.safetensors) and load it back to check it\n"
     "  draft [--checkpoint DIR [--target FILE]...] [--requests R] [--context N] [--temperature T]\n"
-    "        [--seed N] [--mxfp8]\n"
-    "        run the DSpark drafter (CPU model) on a checkpoint (default: a tiny generated one) with\n"
-    "        synthetic target hidden states: drafted tokens, confidences, per-stage times\n"
+    "        [--seed N] [--mxfp8] [--device auto|cpu|cuda|cuda:N]\n"
+    "        run the DSpark drafter on a checkpoint (default: a tiny generated one) with synthetic\n"
+    "        target hidden states: drafted tokens, confidences, per-stage times. auto (default): the\n"
+    "        GPU model (CUDA graph replay) when a GPU is present, else the CPU model\n"
     "  version\n";
 
 struct Args {
@@ -222,9 +223,11 @@ int cmd_draft(Args& a) {
   float temperature = 0.f;
   uint64_t seed = 1;
   DsparkQuant quant = DsparkQuant::kBFloat16;
+  std::string device_name = "auto";
   while (a.more()) {
     const std::string flag = a.next("");
     if (flag == "--checkpoint") dir = a.next(flag);
+    else if (flag == "--device") device_name = a.next(flag);
     else if (flag == "--target") targets.push_back(a.next(flag));
     else if (flag == "--requests") requests = int64_t(parse_u64(flag, a.next(flag)));
     else if (flag == "--context") context = int64_t(parse_u64(flag, a.next(flag)));
@@ -242,6 +245,18 @@ int cmd_draft(Args& a) {
   }
   if (requests < 1 || requests > 64) throw Error("draft: --requests = " + std::to_string(requests) + ": supported 1..64");
   if (context < 1 || context > 32768) throw Error("draft: --context = " + std::to_string(context) + ": supported 1..32768");
+  Device dev = Device::cpu();
+  if (device_name == "auto") {
+    if (cuda_available()) dev = Device::cuda(0);
+  } else if (device_name == "cuda" || device_name.rfind("cuda:", 0) == 0) {
+    const int idx = device_name == "cuda" ? 0 : int(parse_u64("--device", device_name.substr(5)));
+    if (idx >= cuda_device_count())
+      throw Error("draft: --device " + device_name + ": " + std::to_string(cuda_device_count()) +
+                  " CUDA device(s) present" + (built_with_cuda() ? "" : " (m3rt was built without CUDA)"));
+    dev = Device::cuda(idx);
+  } else if (device_name != "cpu") {
+    throw Error("draft: --device '" + device_name + "': expected auto, cpu, cuda or cuda:N");
+  }
   std::unique_ptr<TinyCheckpointDir> tiny;
   if (dir.empty()) {
     if (!targets.empty()) throw Error("draft: --target needs --checkpoint");
@@ -253,7 +268,8 @@ int cmd_draft(Args& a) {
   const DsparkConfig& c = ck.config();
   const int64_t N = c.block_size, H = c.hidden_size, nt = int64_t(c.target_layer_ids.size());
   const int64_t pages = (context + N + 127) / 128;
-  DsparkModel model(ck, {.num_cache_blocks = int(requests * pages)});
+  DsparkModel model(ck, {.num_cache_blocks = int(requests * pages), .device = dev, .max_batch = int(requests)});
+  auto on = [&](const Tensor& t) { return dev.is_cuda() ? t.to(dev) : t; };
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> unit(-1.f, 1.f);
   // Synthetic target hidden states for every request's context, then one draft step.
@@ -268,7 +284,8 @@ int cmd_draft(Args& a) {
       pos.ptr<int64_t>()[r * context + p] = p;
       slots.ptr<int64_t>()[r * context + p] = (r * pages + p / 128) * 128 + p % 128;
     }
-  model.precompute_context(hidden, pos, slots);
+  model.precompute_context(on(hidden), on(pos), on(slots));
+  const double precompute_ms = model.last_timings().precompute_ms;
   Tensor anchors = Tensor::empty({requests}, DType::kInt32), apos = Tensor::empty({requests}, DType::kInt64),
          bslots = Tensor::empty({requests, N}, DType::kInt64), temps = Tensor::empty({requests}, DType::kFloat32),
          seeds = Tensor::empty({requests}, DType::kInt64), tokens = Tensor::empty({requests, N}, DType::kInt32),
@@ -282,13 +299,24 @@ int cmd_draft(Args& a) {
     for (int64_t j = 0; j < N; ++j)
       bslots.ptr<int64_t>()[r * N + j] = (r * pages + (context + j) / 128) * 128 + (context + j) % 128;
   }
-  model.draft({.anchor_tokens = anchors, .anchor_positions = apos, .block_slots = bslots, .block_table = table,
-               .temperatures = temps, .seeds = seeds, .draft_tokens = tokens, .draft_probs = probs, .confidence = conf});
+  Tensor tokens_d = on(tokens), probs_d = on(probs), conf_d = conf.data() ? on(conf) : Tensor();
+  const DsparkDraftArgs args{.anchor_tokens = on(anchors), .anchor_positions = on(apos), .block_slots = on(bslots),
+                             .block_table = on(table), .temperatures = on(temps), .seeds = on(seeds),
+                             .draft_tokens = tokens_d, .draft_probs = probs_d, .confidence = conf_d};
+  model.draft(args);
+  // On a GPU the first call captured the step's graph: time a second call, a replay (it writes
+  // the same block K/V again and drafts the same tokens).
+  if (dev.is_cuda()) model.draft(args);
+  model.check_input_errors();
+  if (dev.is_cuda()) {
+    tokens = tokens_d.to(Device::cpu()), probs = probs_d.to(Device::cpu());
+    if (conf.data()) conf = conf_d.to(Device::cpu());
+  }
   std::printf("checkpoint %s: %d layers, hidden %d, %d/%d heads, vocab %d, block %lld, %s; %lld requests, context %lld, "
-              "temperature %g\n",
+              "temperature %g; %s model\n",
               tiny ? "(tiny, generated)" : dir.c_str(), c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads,
               c.vocab_size, (long long)N, c.quant == DsparkQuant::kMxfp8 ? "MXFP8" : "bf16", (long long)requests,
-              (long long)context, double(temperature));
+              (long long)context, double(temperature), dev.str().c_str());
   for (int64_t r = 0; r < requests; ++r) {
     std::printf("request %lld  anchor %d  drafts:", (long long)r, anchors.ptr<int32_t>()[r]);
     for (int64_t j = 0; j < N; ++j) {
@@ -300,9 +328,10 @@ int cmd_draft(Args& a) {
     std::printf("\n");
   }
   const DsparkModel::Timings& tm = model.last_timings();
-  std::printf("times (CPU model, ms): context precompute %.2f (%lld rows) | draft step: backbone %.2f, final norm + "
-              "LM head %.2f, Markov + confidence %.2f\n",
-              tm.precompute_ms, (long long)T, tm.backbone_ms, tm.lm_head_ms, tm.heads_ms);
+  std::printf("times (%s, ms): context precompute %.3f (%lld rows) | draft step%s %.3f: backbone %.3f, final norm + "
+              "LM head %.3f, Markov + confidence %.3f\n",
+              dev.is_cuda() ? "GPU events" : "CPU model, host clock", precompute_ms, (long long)T,
+              dev.is_cuda() ? " (graph replay)" : "", tm.draft_ms, tm.backbone_ms, tm.lm_head_ms, tm.heads_ms);
   return 0;
 }
 

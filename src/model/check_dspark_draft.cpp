@@ -3,8 +3,9 @@
 // model's head_hidden and logits against the independent oracle (src/model/dspark_oracle.h) within
 // 4 bf16 ulps or 2% of the tensor's largest value per element, and each greedy draft equal to the
 // oracle's argmax after the model's previous token wherever that top-2 margin is clear of the
-// logits' error. The draft model has no GPU path yet: the registry (src/check/check.cpp) runs this
-// check on the CPU only.
+// logits' error. On a GPU the same comparison runs on the GPU model (cuBLASLt GEMMs, the ops'
+// kernels, the Markov loop on the device, the step replayed from its CUDA graph), inputs copied to
+// the device and outputs poisoned there.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -32,7 +33,8 @@ void check_variant(CheckContext& c, DsparkQuant quant, int window) {
   constexpr int R = 2, kMaxBlocks = 8, kPage = 128;
   const int64_t N = cfg.block_size, H = cfg.hidden_size, V = cfg.vocab_size;
   const int64_t nt = int64_t(cfg.target_layer_ids.size());
-  DsparkModel model(ck, {.num_cache_blocks = R * kMaxBlocks});
+  const Device dev = c.device;
+  DsparkModel model(ck, {.num_cache_blocks = R * kMaxBlocks, .device = dev, .max_batch = R});
   DsparkOracle oracle(ck);
   int64_t ctx[R];
   int32_t anchor[R];
@@ -57,12 +59,11 @@ void check_variant(CheckContext& c, DsparkQuant quant, int window) {
       for (int64_t i = 0; i < nt * H; ++i) row[size_t(i)] = b2f(hidden.ptr<uint16_t>()[t * nt * H + i]);
       oracle.context(row, p, r);
     }
-  model.precompute_context(hidden, pos, slots);
+  model.precompute_context(on(hidden, dev), on(pos, dev), on(slots, dev));
   Tensor anchors = Tensor::empty({R}, DType::kInt32), apos = Tensor::empty({R}, DType::kInt64),
          bslots = Tensor::empty({R, N}, DType::kInt64), temps = Tensor::empty({R}, DType::kFloat32),
-         seeds = Tensor::empty({R}, DType::kInt64), tokens = poisoned({R, N}, DType::kInt32, Device::cpu()),
-         head = poisoned({R * N, H}, DType::kBFloat16, Device::cpu()),
-         logits = poisoned({R, N, V}, DType::kBFloat16, Device::cpu());
+         seeds = Tensor::empty({R}, DType::kInt64), tokens_d = poisoned({R, N}, DType::kInt32, dev),
+         head_d = poisoned({R * N, H}, DType::kBFloat16, dev), logits_d = poisoned({R, N, V}, DType::kBFloat16, dev);
   for (int r = 0; r < R; ++r) {
     anchors.ptr<int32_t>()[r] = anchor[r];
     apos.ptr<int64_t>()[r] = ctx[r];
@@ -70,9 +71,11 @@ void check_variant(CheckContext& c, DsparkQuant quant, int window) {
     seeds.ptr<int64_t>()[r] = 0;
     for (int64_t j = 0; j < N; ++j) bslots.ptr<int64_t>()[r * N + j] = slot(r, ctx[r] + j);
   }
-  model.draft({.anchor_tokens = anchors, .anchor_positions = apos, .block_slots = bslots, .block_table = table,
-               .temperatures = temps, .seeds = seeds, .draft_tokens = tokens, .head_hidden = head,
-               .base_logits = logits});
+  model.draft({.anchor_tokens = on(anchors, dev), .anchor_positions = on(apos, dev), .block_slots = on(bslots, dev),
+               .block_table = on(table, dev), .temperatures = on(temps, dev), .seeds = on(seeds, dev),
+               .draft_tokens = tokens_d, .head_hidden = head_d, .base_logits = logits_d});
+  model.check_input_errors();
+  const Tensor tokens = to_host(tokens_d), head = to_host(head_d), logits = to_host(logits_d);
   Tensor want_head = Tensor::empty({R * N, H}, DType::kBFloat16), want_logits = Tensor::empty({R, N, V}, DType::kBFloat16);
   CheckRow drafts;
   drafts.op = c.op;

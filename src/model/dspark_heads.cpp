@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/validate.h"
+#include "model/dspark_hash.h"
 #include "m3rt/error.h"
 
 namespace m3rt {
@@ -14,21 +15,12 @@ namespace {
 
 constexpr const char* kOp = "dspark_markov_heads";
 
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 float bf16(const TensorView& t, int64_t i) { return bf16_to_float(t.ptr<const uint16_t>()[i]); }
 
 }  // namespace
 
 double dspark_gumbel(uint64_t seed, int64_t position, int64_t token) {
-  const uint64_t h = splitmix64(splitmix64(splitmix64(seed) ^ uint64_t(position)) ^ uint64_t(token));
-  const double u = (double(h >> 11) + 0.5) * 0x1p-53;  // in (0, 1): never 0 or 1
-  return -std::log(-std::log(u));
+  return detail::gumbel_noise(seed, position, token);
 }
 
 void dspark_markov_heads(const DsparkHeadsArgs& a) {

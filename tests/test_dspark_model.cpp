@@ -394,7 +394,9 @@ TEST(DsparkModelGpu, GraphReplayEqualsEagerBitwise) {
   make_tiny_dspark_checkpoint(dir.str(), cfg, {DsparkQuant::kBFloat16, 12});
   const DsparkCheckpoint ck(dir.str(), {dir / "target/model.safetensors"});
   const int max_blocks = 8, R = 4;
-  DsparkModelOptions o{.num_cache_blocks = R * max_blocks, .device = Device::cuda(), .max_batch = 8};
+  // Untuned GEMMs: the two models must pick the same algorithms (tuned choices may differ).
+  DsparkModelOptions o{.num_cache_blocks = R * max_blocks, .device = Device::cuda(), .max_batch = 8,
+                       .tune_gemms = false};
   DsparkModel graph(ck, o);
   o.use_graphs = false;
   DsparkModel eager(ck, o);
@@ -419,6 +421,17 @@ TEST(DsparkModelGpu, GraphReplayEqualsEagerBitwise) {
     const Tensor x = graph.kv_cache(l).to(Device::cpu()), y = eager.kv_cache(l).to(Device::cpu());
     EXPECT_EQ(std::memcmp(x.data(), y.data(), size_t(x.nbytes())), 0) << "cache of layer " << l;
   }
+  // Tuned GEMMs: the first call at a size runs eagerly (and tunes), the next replays the graph;
+  // the same inputs give the same bits.
+  o.use_graphs = true, o.tune_gemms = true;
+  DsparkModel tuned(ck, o);
+  fill_context(tuned, ctx, max_blocks, 9);
+  const DraftIo io = make_io(cfg, ctx, {5, 6, 7, 8}, {0.f, 0.9f, 0.f, 0.5f}, max_blocks);
+  const DraftIo a = draft_on(tuned, io), b = draft_on(tuned, io);
+  EXPECT_EQ(tuned.graphs_captured(), 1);
+  for (const auto& [x, y] : {std::pair{&a.tokens, &b.tokens}, {&a.probs, &b.probs}, {&a.conf, &b.conf},
+                             {&a.head, &b.head}, {&a.logits, &b.logits}})
+    EXPECT_EQ(std::memcmp(x->data(), y->data(), size_t(x->nbytes())), 0) << "tuned: replay vs first call";
 }
 
 TEST(DsparkModelGpu, InvalidDeviceInputsDraftPaddingAndThrowOnCheck) {

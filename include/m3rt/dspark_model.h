@@ -47,6 +47,10 @@ struct DsparkModelOptions {
   int max_batch = 64;
   int max_blocks_per_request = 0;
   bool use_graphs = true;            // false: every step runs eagerly (same kernels, same bits)
+  // GPU: the first call at each padded size times cuBLASLt's candidate algorithms for the step's
+  // GEMMs and keeps the fastest (timing noise may pick differently in another process, so the
+  // last bits may differ between runs); false: cuBLASLt's heuristic choice (reproducible).
+  bool tune_gemms = true;
 };
 
 struct DsparkDraftArgs {

@@ -300,8 +300,10 @@ int cmd_draft(Args& a) {
       bslots.ptr<int64_t>()[r * N + j] = (r * pages + (context + j) / 128) * 128 + (context + j) % 128;
   }
   Tensor tokens_d = on(tokens), probs_d = on(probs), conf_d = conf.data() ? on(conf) : Tensor();
-  const DsparkDraftArgs args{.anchor_tokens = on(anchors), .anchor_positions = on(apos), .block_slots = on(bslots),
-                             .block_table = on(table), .temperatures = on(temps), .seeds = on(seeds),
+  const Tensor anchors_d = on(anchors), apos_d = on(apos), bslots_d = on(bslots), table_d = on(table),
+               temps_d = on(temps), seeds_d = on(seeds);
+  const DsparkDraftArgs args{.anchor_tokens = anchors_d, .anchor_positions = apos_d, .block_slots = bslots_d,
+                             .block_table = table_d, .temperatures = temps_d, .seeds = seeds_d,
                              .draft_tokens = tokens_d, .draft_probs = probs_d, .confidence = conf_d};
   model.draft(args);
   // On a GPU the first call captured the step's graph: time a second call, a replay (it writes

@@ -121,9 +121,11 @@ std::vector<BenchRow> bench_dspark_draft(BenchEnv& env) {
     }
     const Device d = Device::cuda();
     Tensor tokens = Tensor::empty({R, N}, DType::kInt32, d), conf = Tensor::empty({R, N}, DType::kFloat32, d);
-    const DsparkDraftArgs args{.anchor_tokens = anchors.to(d), .anchor_positions = apos.to(d),
-                               .block_slots = bslots.to(d), .block_table = table.to(d), .temperatures = temps.to(d),
-                               .seeds = seeds.to(d), .draft_tokens = tokens, .confidence = conf};
+    const Tensor anchors_d = anchors.to(d), apos_d = apos.to(d), bslots_d = bslots.to(d), table_d = table.to(d),
+                 temps_d = temps.to(d), seeds_d = seeds.to(d);  // alive while `args` views them
+    const DsparkDraftArgs args{.anchor_tokens = anchors_d, .anchor_positions = apos_d, .block_slots = bslots_d,
+                               .block_table = table_d, .temperatures = temps_d, .seeds = seeds_d,
+                               .draft_tokens = tokens, .confidence = conf};
     DsparkModel::Timings st;
     const double us = time_call([&] { model.draft(args, s); }, &model, &st);
     model.check_input_errors();

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cfloat>
+#include <climits>
 
 #include "core/cuda_check.h"
 #include "model/dspark_hash.h"
@@ -57,15 +58,17 @@ constexpr int kPrepThreads = 256;
 
 __global__ void __launch_bounds__(kPrepThreads) draft_prep_kernel(DraftPrepParams p) {
   const int r = blockIdx.x;
-  __shared__ int s_pad;
-  __shared__ int64_t s_first, s_last;
+  __shared__ int s_code, s_bad_page, s_bad_slot;
+  __shared__ int64_t s_value, s_first, s_last;
+  const int32_t anchor = p.anchors[r];
+  const int64_t pos = p.anchor_pos[r];
+  const int64_t seq = pos + p.N;
+  // Scalar checks (thread 0), then the block's pages and slots in parallel; the first bad column
+  // or row is the one reported (a shared minimum).
   if (threadIdx.x == 0) {
-    const int32_t anchor = p.anchors[r];
-    const int64_t pos = p.anchor_pos[r];
-    int64_t code = kDraftErrorNone, value = 0, at = 0, first = 0, last = -1;
+    const float temp = p.temperatures[r];
+    int64_t code = kDraftErrorNone, value = 0, first = 0, last = -1;
     if (anchor >= 0) {
-      const int64_t seq = pos + p.N;
-      const float temp = p.temperatures[r];
       if (anchor >= p.vocab) {
         code = kDraftErrorAnchorToken, value = anchor;
       } else if (pos < 0 || seq > p.max_pos) {
@@ -76,29 +79,41 @@ __global__ void __launch_bounds__(kPrepThreads) draft_prep_kernel(DraftPrepParam
         first = (p.sliding_window > 0 ? max(int64_t(0), pos - p.sliding_window + 1) : 0) / p.page;
         last = (seq - 1) / p.page;
         if (last - first + 1 > p.topk) code = kDraftErrorSpan, value = pos;
-        for (int64_t b = first; code == kDraftErrorNone && b <= last; ++b) {
-          const int32_t page = b < p.table_width ? p.block_table[int64_t(r) * p.table_width + b] : -1;
-          if (page < 0 || page >= p.num_cache_blocks) code = kDraftErrorPage, value = page, at = b;
-        }
-        for (int j = 0; code == kDraftErrorNone && j < p.N; ++j) {
-          const int64_t slot = p.block_slots[int64_t(r) * p.N + j];
-          if (slot >= p.num_cache_blocks * p.page) code = kDraftErrorSlot, value = slot, at = j;
-        }
       }
-      if (code != kDraftErrorNone) p.errors[3 * r] = code, p.errors[3 * r + 1] = value, p.errors[3 * r + 2] = at;
     }
+    s_code = int(code), s_value = value;
+    s_first = code == kDraftErrorNone ? first : 0;
+    s_last = code == kDraftErrorNone ? last : -1;
+    s_bad_page = s_bad_slot = INT_MAX;
+  }
+  __syncthreads();
+  if (anchor >= 0 && s_code == kDraftErrorNone) {
+    for (int64_t b = s_first + threadIdx.x; b <= s_last; b += blockDim.x) {
+      const int32_t page = b < p.table_width ? p.block_table[int64_t(r) * p.table_width + b] : -1;
+      if (page < 0 || page >= p.num_cache_blocks) atomicMin(&s_bad_page, int(b));
+    }
+    for (int j = threadIdx.x; j < p.N; j += blockDim.x)
+      if (p.block_slots[int64_t(r) * p.N + j] >= p.num_cache_blocks * p.page) atomicMin(&s_bad_slot, j);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t code = s_code, value = s_value, at = 0;
+    if (code == kDraftErrorNone && s_bad_page != INT_MAX) {
+      const int64_t b = s_bad_page;
+      code = kDraftErrorPage, at = b, value = b < p.table_width ? p.block_table[int64_t(r) * p.table_width + b] : -1;
+    } else if (code == kDraftErrorNone && s_bad_slot != INT_MAX) {
+      code = kDraftErrorSlot, at = s_bad_slot, value = p.block_slots[int64_t(r) * p.N + s_bad_slot];
+    }
+    if (code != kDraftErrorNone) p.errors[3 * r] = code, p.errors[3 * r + 1] = value, p.errors[3 * r + 2] = at;
     const bool pad = anchor < 0 || code != kDraftErrorNone;
-    s_pad = pad;
-    s_first = pad ? 0 : first;
-    s_last = pad ? -1 : last;
-    p.seq_lens[r] = pad ? 0 : int32_t(pos + p.N);
+    s_code = pad;  // from here: 1 = padding
+    if (pad) s_first = 0, s_last = -1;
+    p.seq_lens[r] = pad ? 0 : int32_t(seq);
     p.prev[r] = pad ? -1 : anchor;
   }
   __syncthreads();
-  const bool pad = s_pad;
+  const bool pad = s_code;
   const int64_t first = s_first, last = s_last;
-  const int32_t anchor = p.anchors[r];
-  const int64_t pos = p.anchor_pos[r];
   const int64_t T = int64_t(p.R) * p.N;
   for (int j = threadIdx.x; j < p.N; j += blockDim.x) {
     const int64_t t = int64_t(r) * p.N + j;
@@ -126,14 +141,59 @@ __global__ void embed_rows_kernel(uint16_t* h, const uint16_t* table, const int3
 
 // ---- Markov loop --------------------------------------------------------------------------------
 
-constexpr int kMarkovThreads = 256;
-constexpr int kMarkovChunk = kMarkovThreads * 8;  // vocabulary entries per CTA
+constexpr int kMarkovThreads = 128;
+constexpr int kMarkovChunk = kMarkovThreads * 8;  // vocabulary entries per CTA: 8 per thread
 
-// One CTA per (chunk, request): logits = bf16(base + bias) over its chunk, and the chunk's best
-// (key, id): key = logit (greedy) or logit / T + Gumbel noise (sampled).
-__global__ void __launch_bounds__(kMarkovThreads) markov_finalize_kernel(MarkovStepParams p) {
+// The key a step ranks token v by: its logit (greedy) or logit / T + Gumbel noise (sampled).
+__device__ __forceinline__ double markov_key(float logit, float T, uint64_t seed, int64_t qpos, int v) {
+  return T == 0.f ? double(logit) : double(logit) / double(T) + gumbel_noise(seed, qpos, v);
+}
+
+// Called by every thread of a CTA once its best candidate (best, idx) for request r over its chunk
+// is known (any thread's copy: thread 0's is used). Publishes it; the request's last CTA to arrive
+// (an arrival counter it resets) reduces the chunks' candidates to the step's token, which becomes
+// the next step's previous token, and gathers its Markov embedding W1[token].
+template <int kThreads>
+__device__ void markov_publish(const MarkovStepParams& p, int r, int chunk, int chunks, double best, int idx) {
+  __shared__ int s_last, s_token;
+  if (threadIdx.x == 0) {
+    p.part_key[int64_t(r) * chunks + chunk] = best;
+    p.part_idx[int64_t(r) * chunks + chunk] = idx;
+    __threadfence();
+    s_last = atomicAdd(p.counters + r, 1) == chunks - 1;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  best = -INFINITY, idx = -1;
+  for (int c = threadIdx.x; c < chunks; c += kThreads)
+    better(best, idx, __ldcg(p.part_key + int64_t(r) * chunks + c), __ldcg(p.part_idx + int64_t(r) * chunks + c));
+  block_argmax<kThreads>(best, idx);
+  if (threadIdx.x == 0) {
+    // Every key NaN: the lowest id, as the reference's strict comparisons leave it.
+    s_token = idx < 0 ? 0 : idx;
+    p.tokens[int64_t(r) * p.N + p.step] = s_token;
+    p.prev_out[r] = s_token;
+    p.counters[r] = 0;
+  }
+  __syncthreads();
+  for (int k = threadIdx.x; k < p.rank; k += kThreads) p.e[int64_t(r) * p.rank + k] = p.w1[int64_t(s_token) * p.rank + k];
+  __syncthreads();
+}
+
+// A padded request's step (chunk 0 only): token -1, previous token -1, embedding 0.
+__device__ void markov_pad(const MarkovStepParams& p, int r) {
+  if (threadIdx.x == 0) p.tokens[int64_t(r) * p.N + p.step] = -1, p.prev_out[r] = -1;
+  for (int k = threadIdx.x; k < p.rank; k += blockDim.x) p.e[int64_t(r) * p.rank + k] = 0;
+}
+
+// One CTA per (chunk, request); logits = bf16(base + bias) over the chunk, 8 entries per thread.
+__global__ void __launch_bounds__(kMarkovThreads) markov_step_kernel(MarkovStepParams p) {
   const int chunk = blockIdx.x, r = blockIdx.y, chunks = gridDim.x;
-  if (p.prev[r] < 0) return;  // padding: the reduce writes -1
+  if (p.prev[r] < 0) {
+    if (chunk == 0) markov_pad(p, r);
+    return;
+  }
   const float T = p.temperatures[r];
   const uint64_t seed = uint64_t(p.seeds[r]);
   const int64_t qpos = p.anchor_pos[r] + p.step;
@@ -142,58 +202,59 @@ __global__ void __launch_bounds__(kMarkovThreads) markov_finalize_kernel(MarkovS
   uint16_t* out = p.logits + (int64_t(r) * p.N + p.step) * p.V;
   double best = -INFINITY;
   int idx = -1;
-  for (int k = 0; k < kMarkovChunk / kMarkovThreads; ++k) {
-    const int v = chunk * kMarkovChunk + k * kMarkovThreads + threadIdx.x;
-    if (v >= p.V) break;
-    const float l = __bfloat162float(__float2bfloat16_rn(bf(base[v]) + bf(bias[v])));
-    out[v] = to_bf(l);
-    const double key = T == 0.f ? double(l) : double(l) / double(T) + gumbel_noise(seed, qpos, v);
-    better(best, idx, key, v);
+  const int v0 = (chunk * kMarkovThreads + threadIdx.x) * 8;
+  float l[8];
+  int n = 0;
+  if (v0 + 8 <= p.V && p.V % 8 == 0) {  // rows 16-byte aligned: one load of each
+    const uint4 b4 = *reinterpret_cast<const uint4*>(base + v0), c4 = *reinterpret_cast<const uint4*>(bias + v0);
+    const uint16_t* bb = reinterpret_cast<const uint16_t*>(&b4);
+    const uint16_t* cc = reinterpret_cast<const uint16_t*>(&c4);
+    uint4 o4;
+    uint16_t* oo = reinterpret_cast<uint16_t*>(&o4);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint16_t x = to_bf(bf(bb[i]) + bf(cc[i]));
+      l[i] = bf(x), oo[i] = x;
+    }
+    *reinterpret_cast<uint4*>(out + v0) = o4;
+    n = 8;
+  } else {
+    for (; n < 8 && v0 + n < p.V; ++n) {
+      const uint16_t x = to_bf(bf(base[v0 + n]) + bf(bias[v0 + n]));
+      l[n] = bf(x), out[v0 + n] = x;
+    }
   }
+  for (int i = 0; i < n; ++i) better(best, idx, markov_key(l[i], T, seed, qpos, v0 + i), v0 + i);
   block_argmax<kMarkovThreads>(best, idx);
-  if (threadIdx.x == 0) {
-    p.part_key[int64_t(r) * chunks + chunk] = best;
-    p.part_idx[int64_t(r) * chunks + chunk] = idx;
-  }
-}
-
-// One CTA per request: the best of the chunks' candidates is the step's token; it becomes the
-// previous token of the next step, whose Markov embedding W1[token] is gathered here.
-__global__ void __launch_bounds__(kMarkovThreads) markov_reduce_kernel(MarkovStepParams p, int chunks) {
-  const int r = blockIdx.x;
-  __shared__ int s_token;
-  const bool pad = p.prev[r] < 0;
-  double best = -INFINITY;
-  int idx = -1;
-  if (!pad)
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x)
-      better(best, idx, p.part_key[int64_t(r) * chunks + c], p.part_idx[int64_t(r) * chunks + c]);
-  block_argmax<kMarkovThreads>(best, idx);
-  if (threadIdx.x == 0) {
-    // Every key NaN: the lowest id, as the reference's strict comparisons leave it.
-    s_token = pad ? -1 : (idx < 0 ? 0 : idx);
-    p.tokens[int64_t(r) * p.N + p.step] = s_token;
-  }
-  __syncthreads();
-  const int token = s_token;
-  if (threadIdx.x == 0) p.prev_out[r] = token;
-  for (int k = threadIdx.x; k < p.rank; k += blockDim.x)
-    p.e[int64_t(r) * p.rank + k] = token < 0 ? 0 : p.w1[int64_t(token) * p.rank + k];
+  markov_publish<kMarkovThreads>(p, r, chunk, chunks, best, idx);
 }
 
 // ---- confidence head ----------------------------------------------------------------------------
 
-constexpr int kConfThreads = 128;
+constexpr int kConfThreads = 256;
 
+// Dot product of n bf16 values (n % 8 == 0, 16-byte aligned) over the block's threads, 8 per load.
+__device__ __forceinline__ float dot8(const uint16_t* a, const uint16_t* b, int n) {
+  float z = 0.f;
+  for (int c = threadIdx.x; c < n / 8; c += blockDim.x) {
+    const uint4 x = reinterpret_cast<const uint4*>(a)[c], y = reinterpret_cast<const uint4*>(b)[c];
+    const uint16_t* xs = reinterpret_cast<const uint16_t*>(&x);
+    const uint16_t* ys = reinterpret_cast<const uint16_t*>(&y);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) z += bf(xs[i]) * bf(ys[i]);
+  }
+  return z;
+}
+
+// One CTA per block row (H and rank multiples of 8: checked by the model).
 __global__ void __launch_bounds__(kConfThreads) confidence_kernel(ConfidenceParams p) {
   const int t = blockIdx.x, r = t / p.N, i = t % p.N;
   const int32_t prev = i == 0 ? p.anchors[r] : p.tokens[t - 1];
   const bool pad = p.anchors[r] < 0 || p.tokens[t] < 0;
   float z = 0.f;
   if (!pad) {
-    for (int k = threadIdx.x; k < p.H; k += blockDim.x) z += bf(p.w[k]) * bf(p.head[int64_t(t) * p.H + k]);
-    if (p.with_markov)
-      for (int k = threadIdx.x; k < p.rank; k += blockDim.x) z += bf(p.w[p.H + k]) * bf(p.w1[int64_t(prev) * p.rank + k]);
+    z = dot8(p.w, p.head + int64_t(t) * p.H, p.H);
+    if (p.with_markov) z += dot8(p.w + p.H, p.w1 + int64_t(prev) * p.rank, p.rank);
   }
   z = block_reduce<kConfThreads>(z, [](float a, float b) { return a + b; });
   if (threadIdx.x == 0) p.out[t] = pad ? 0.f : 1.f / (1.f + expf(-(z + bf(p.b[0]))));
@@ -245,16 +306,10 @@ void launch_embed_rows(uint16_t* h, const uint16_t* table, const int32_t* ids, i
 
 int markov_partials(int V) { return (V + kMarkovChunk - 1) / kMarkovChunk; }
 
-void launch_markov_finalize(const MarkovStepParams& p, stream_t stream) {
+void launch_markov_step(const MarkovStepParams& p, stream_t stream) {
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  markov_finalize_kernel<<<dim3(markov_partials(p.V), p.R), kMarkovThreads, 0, s>>>(p);
-  M3RT_LAUNCH_CHECK(s, "markov_finalize_kernel");
-}
-
-void launch_markov_reduce(const MarkovStepParams& p, stream_t stream) {
-  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  markov_reduce_kernel<<<p.R, kMarkovThreads, 0, s>>>(p, markov_partials(p.V));
-  M3RT_LAUNCH_CHECK(s, "markov_reduce_kernel");
+  markov_step_kernel<<<dim3(markov_partials(p.V), p.R), kMarkovThreads, 0, s>>>(p);
+  M3RT_LAUNCH_CHECK(s, "markov_step_kernel");
 }
 
 void launch_confidence(const ConfidenceParams& p, stream_t stream) {

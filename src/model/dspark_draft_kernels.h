@@ -5,8 +5,8 @@
 // and include/m3rt/dspark_model.h. Built only with CUDA.
 //
 // defines: DraftPrepParams, MarkovStepParams, ConfidenceParams, ProbsParams, kDraftError*,
-//          launch_draft_prep, launch_embed_rows, launch_markov_finalize, launch_markov_reduce,
-//          launch_confidence, launch_draft_probs, launch_fill_random_bf16, markov_partials.
+//          launch_draft_prep, launch_embed_rows, launch_markov_step, launch_confidence,
+//          launch_draft_probs, launch_fill_random_bf16, markov_partials.
 #pragma once
 
 #include <cstdint>
@@ -61,22 +61,22 @@ struct MarkovStepParams {
   const uint16_t* base;           // [R * N, V] bf16: base logits
   const uint16_t* bias;           // [R, V] bf16: W2 . W1[prev]
   uint16_t* logits;               // [R, N, V] bf16 out: bf16(base + bias)
-  const int32_t* prev;            // [R]
+  const int32_t* prev;            // [R]: < 0 padding
   const float* temperatures;      // [R]
   const int64_t* seeds;           // [R]
   const int64_t* anchor_pos;      // [R]
   double* part_key;               // [R, chunks]
   int32_t* part_idx;              // [R, chunks]
-  // Reduce only.
+  int32_t* counters;              // [R]: arrivals, zero between steps (the last CTA resets them)
   int32_t* tokens;                // [R, N]: token of step i
   int32_t* prev_out;              // [R]: next step's previous token (== prev: updated in place)
   uint16_t* e;                    // [R, rank]: W1[token]
   const uint16_t* w1;
   int rank;
 };
-int markov_partials(int V);  // chunks per request
-void launch_markov_finalize(const MarkovStepParams& p, stream_t stream);
-void launch_markov_reduce(const MarkovStepParams& p, stream_t stream);
+// One Markov step after the GEMM bias = W2 . W1[prev]: markov_partials(V) CTAs per request.
+int markov_partials(int V);
+void launch_markov_step(const MarkovStepParams& p, stream_t stream);
 
 struct ConfidenceParams {
   int R, N, H, rank;

@@ -150,7 +150,7 @@ struct GpuState {
   int B = 0, MB = 0;  // max batch, block-table width
   Tensor anchors, apos, bslots, table, temps, seeds;
   Tensor ids, pos, slots, lens, lists, prev, e, errors;
-  Tensor h, residual, x, qkv, q, attn, o, gate_up, act, head, logits, bias, mlog, part_key, part_idx, tokens, conf;
+  Tensor h, residual, x, qkv, q, attn, o, gate_up, act, head, logits, bias, mlog, part_key, part_idx, counters, tokens, conf;
   Tensor pre_states, pre_x, pre_kv;  // precompute scratch, grown on demand
   std::map<int64_t, std::unique_ptr<MsaDecodePlan>> plans;
   std::map<int64_t, cudaGraphExec_t> graphs;
@@ -177,7 +177,8 @@ struct DsparkModel::Impl {
   bool on_gpu() const { return dev.is_cuda(); }
   void build(const std::function<Tensor(const std::string&, const std::vector<int64_t>&, float)>& get,
              const std::function<TensorView(const std::string&, const std::vector<int64_t>&, float)>& shared);
-  void linear(const TensorView& y, const TensorView& x, const TensorView& w, stream_t s);
+  // tune: the draft step's fixed shapes pick their fastest cuBLASLt algorithm on first use.
+  void linear(const TensorView& y, const TensorView& x, const TensorView& w, stream_t s, bool tune = true);
   void copy(const TensorView& dst, const TensorView& src, stream_t s);
   void forward(const Work& w, stream_t s);
   void record(int stage, stream_t s);
@@ -364,10 +365,10 @@ int DsparkModel::graphs_captured() const {
 
 // ---- the forward, shared by both devices --------------------------------------------------------
 
-void DsparkModel::Impl::linear(const TensorView& y, const TensorView& x, const TensorView& w, stream_t s) {
+void DsparkModel::Impl::linear(const TensorView& y, const TensorView& x, const TensorView& w, stream_t s, bool tune) {
   if (!on_gpu()) return linear_cpu(y, x, w);
 #ifdef M3RT_WITH_CUDA
-  gpu->gemm.run(y, x, w, s);
+  gpu->gemm.run(y, x, w, s, tune && opt.tune_gemms);
 #endif
 }
 
@@ -388,7 +389,14 @@ void DsparkModel::Impl::copy(const TensorView& dst, const TensorView& src, strea
 void DsparkModel::Impl::record(int stage, stream_t s) {
 #ifdef M3RT_WITH_CUDA
   if (on_gpu()) {
-    M3RT_CUDA_CHECK(cudaEventRecordWithFlags(gpu->st[stage], reinterpret_cast<cudaStream_t>(s), cudaEventRecordExternal));
+    // Inside a capture the record must be an external event node; outside, a plain record.
+    const auto cs = reinterpret_cast<cudaStream_t>(s);
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    M3RT_CUDA_CHECK(cudaStreamIsCapturing(cs, &capturing));
+    if (capturing == cudaStreamCaptureStatusActive)
+      M3RT_CUDA_CHECK(cudaEventRecordWithFlags(gpu->st[stage], cs, cudaEventRecordExternal));
+    else
+      M3RT_CUDA_CHECK(cudaEventRecord(gpu->st[stage], cs));
     return;
   }
 #endif
@@ -678,6 +686,10 @@ const DsparkModel::Timings& DsparkModel::last_timings() const {
 #ifdef M3RT_WITH_CUDA
 
 void DsparkModel::Impl::init_gpu() {
+  // The device kernels move rows in 16-byte pieces.
+  if (c.hidden_size % 8 != 0 || c.markov_rank % 8 != 0)
+    throw_arg_error(kOp, "config", "hidden_size " + std::to_string(c.hidden_size) + ", markov_rank " +
+                    std::to_string(c.markov_rank), "multiples of 8 on a GPU");
   gpu = std::make_unique<GpuState>(dev);
   GpuState& g = *gpu;
   M3RT_CUDA_CHECK(cudaStreamCreateWithFlags(&g.s, cudaStreamNonBlocking));
@@ -705,6 +717,7 @@ void DsparkModel::Impl::init_gpu() {
   g.logits = make({T, V}, bf), g.mlog = make({T, V}, bf), g.bias = make({B, V}, bf);
   const int chunks = detail::markov_partials(int(V));
   g.part_key = make({B, chunks}, i64)  /* doubles */, g.part_idx = make({B, chunks}, i32);
+  g.counters = make({B}, i32);
   g.tokens = make({B, N}, i32), g.conf = make({B, N}, DType::kFloat32);
 }
 
@@ -752,13 +765,12 @@ void DsparkModel::Impl::enqueue_gpu_step(int64_t P, cudaStream_t s) {
                               .prev = g.prev.ptr<int32_t>(), .temperatures = g.temps.ptr<float>(),
                               .seeds = g.seeds.ptr<int64_t>(), .anchor_pos = g.apos.ptr<int64_t>(),
                               .part_key = static_cast<double*>(g.part_key.data()), .part_idx = g.part_idx.ptr<int32_t>(),
-                              .tokens = g.tokens.ptr<int32_t>(), .prev_out = g.prev.ptr<int32_t>(),
+                              .counters = g.counters.ptr<int32_t>(), .tokens = g.tokens.ptr<int32_t>(), .prev_out = g.prev.ptr<int32_t>(),
                               .e = g.e.ptr<uint16_t>(), .w1 = w1.ptr<const uint16_t>(), .rank = c.markov_rank};
   for (int i = 0; i < N; ++i) {
     mp.step = i;
-    g.gemm.run(rows(g.bias, P), rows(g.e, P), w2, s);  // bias = W2 . W1[prev]
-    detail::launch_markov_finalize(mp, s);
-    detail::launch_markov_reduce(mp, s);
+    linear(rows(g.bias, P), rows(g.e, P), w2, s);  // bias = W2 . W1[prev]
+    detail::launch_markov_step(mp, s);
   }
   if (c.confidence_head)
     detail::launch_confidence({.R = int(P), .N = int(N), .H = c.hidden_size, .rank = c.markov_rank,
@@ -804,6 +816,9 @@ void DsparkModel::Impl::draft_gpu(const DsparkDraftArgs& a, int64_t R, stream_t 
   if (opt.use_graphs) {
     auto it = g.graphs.find(P);
     if (it == g.graphs.end()) {
+      // First call at this size: run eagerly (the GEMMs pick their algorithms), then capture the
+      // graph the next calls replay (the same kernels: replays equal this run bit for bit).
+      enqueue_gpu_step(P, s);
       cudaGraph_t graph = nullptr;
       M3RT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
       try {
@@ -818,9 +833,10 @@ void DsparkModel::Impl::draft_gpu(const DsparkDraftArgs& a, int64_t R, stream_t 
       const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
       cudaGraphDestroy(graph);
       M3RT_CUDA_CHECK(err);
-      it = g.graphs.emplace(P, exec).first;
+      g.graphs.emplace(P, exec);
+    } else {
+      M3RT_CUDA_CHECK(cudaGraphLaunch(it->second, s));
     }
-    M3RT_CUDA_CHECK(cudaGraphLaunch(it->second, s));
   } else {
     enqueue_gpu_step(P, s);
   }
@@ -856,9 +872,10 @@ void DsparkModel::Impl::precompute_gpu(const TensorView& hidden, const TensorVie
   M3RT_CUDA_CHECK(cudaStreamWaitEvent(s, g.ev_in, 0));
   M3RT_CUDA_CHECK(cudaEventRecord(g.pre[0], s));
   const TensorView states = rows(g.pre_states, T), x = rows(g.pre_x, T), all_kv = rows(g.pre_kv, T);
-  linear(states, hidden, fc, s);
+  // Row counts vary per call: the heuristic's algorithm, no tuning.
+  linear(states, hidden, fc, s, false);
   gemma_rms_norm(x, states, hidden_norm, c.rms_norm_eps, s);
-  linear(all_kv, x, w_kv_all, s);
+  linear(all_kv, x, w_kv_all, s, false);
   const TensorView kv5 =
       TensorView::contiguous(all_kv.data, DType::kBFloat16, {T, c.num_layers, 2, c.num_kv_heads, c.head_dim}, dev);
   (*writer)({.all_kv = kv5, .k_norm_weight = k_norm_all, .eps = c.rms_norm_eps, .positions = positions,

@@ -10,9 +10,11 @@
 // of the group's pages:
 //  1. Resolve the group's request, each token's position and visible key range [lo, hi).
 //  2. Gather the tokens' top-k entries; drop the skipped ones (-1, past the token's visible blocks,
-//     a page outside the cache); sort (id, token, page) with a bitonic sort in shared memory; the
-//     union of pages is the sorted unique ids, each with a bitmask of the tokens that selected it.
-//     So each (request, KV head, page) is read once per group however many tokens chose it.
+//     a page outside the cache); the union of pages is the unique ids in order, each with a bitmask
+//     of the tokens that selected it. While the request's ids fit a word-per-id table in shared
+//     memory, each entry ORs its token into its id's word and a block scan compacts the nonzero
+//     words (two barriers); otherwise (id, token, page) keys go through a bitonic sort. So each
+//     (request, KV head, page) is read once per group however many tokens chose it.
 //  3. Pages go through the pipeline as 64-key chunks (cp.async, 128-byte XOR swizzle, keys at or
 //     past seq_len zero-filled so a garbage V never meets a zero weight); a chunk no token sees is
 //     not loaded.
@@ -444,63 +446,37 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
     const int nbv = hi > 0 ? int((hi + kPage - 1) / kPage) : 0;
     tok_range[tid] = make_int4(int(lo), int(max(hi, int64_t(0))), nbv, 0);
   }
+  // The union of pages in id order with per-token masks. While the request's ids fit a table of
+  // token masks (one word per id, after the raw ids in the stage area), every entry ORs its token
+  // into its id's word and the nonzero words are compacted in order: no sort. Otherwise the
+  // entries are sorted (bitonic, in shared memory) and the first of each id's run is kept. Both
+  // give the same list.
+  const int nb_all = gr.seq_len > 0 ? (gr.seq_len + kPage - 1) / kPage : 0;
+  const int raw_bytes = ((n * 4 + 15) / 16) * 16;
+  uint32_t* sel = reinterpret_cast<uint32_t*>(area + raw_bytes);
+  const bool bitmap = raw_bytes + int64_t(nb_all) * 4 <= L.q_off;
+  if (bitmap)
+    for (int i = tid; i < nb_all; i += kThreads) sel[i] = 0u;
   __syncthreads();
 
-  // Entries -> sort keys (id << 37 | token << 32 | page), skipped ones (kNoEntry) last.
   const int32_t* table = p.block_table + int64_t(gr.b) * p.block_table_stride;
-  for (int e = tid; e < L.n_pad; e += kThreads) {
-    uint64_t key = kNoEntry;
-    if (e < n) {
-      const int r = e / K, id = raw[e];
-      if (id >= 0 && id < tok_range[r].z) {
-        const int page = table[id];
-        if (page >= 0 && page < p.num_cache_blocks)
-          key = (uint64_t(id) << 37) | (uint64_t(r) << 32) | uint64_t(uint32_t(page));
-      }
-    }
-    keys[e] = key;
-  }
-  __syncthreads();
-  for (int k = 2; k <= L.n_pad; k <<= 1)
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int i = tid; i < L.n_pad; i += kThreads) {
-        const int ixj = i ^ j;
-        if (ixj > i) {
-          const uint64_t a = keys[i], bb = keys[ixj];
-          if ((a > bb) == ((i & k) == 0)) {
-            keys[i] = bb;
-            keys[ixj] = a;
-          }
-        }
-      }
-      __syncthreads();
-    }
-  // Unique ids in order: each thread counts the first occurrences in its segment, a scan over the
-  // segments gives their slots.
-  const int seg = (L.n_pad + kThreads - 1) / kThreads, e0 = tid * seg;
-  auto is_first = [&](int e) {
-    return e < L.n_pad && keys[e] != kNoEntry && (e == 0 || (keys[e] >> 37) != (keys[e - 1] >> 37));
-  };
-  int mine = 0;
-  for (int e = e0; e < e0 + seg; ++e) mine += is_first(e);
-  int incl = mine;
+  // Exclusive block-wide scan of per-thread counts; misc[8] = the total.
+  auto block_scan = [&](int mine) {
+    int incl = mine;
 #pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int v = __shfl_up_sync(kFull, incl, o);
-    if (lane >= o) incl += v;
-  }
-  if (lane == 31) misc[warp] = incl;
-  __syncthreads();
-  int base = incl - mine;
-  for (int w = 0; w < warp; ++w) base += misc[w];
-  if (tid == kThreads - 1) misc[8] = base + mine;
-  for (int e = e0; e < e0 + seg; ++e) {
-    if (!is_first(e)) continue;
-    const uint64_t id = keys[e] >> 37;
-    uint32_t tokens = 0;
-    for (int f = e; f < L.n_pad && keys[f] != kNoEntry && (keys[f] >> 37) == id; ++f)
-      tokens |= 1u << ((keys[f] >> 32) & 31);
-    // Per 64-key half: the tokens that selected the page and see some key of the half.
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(kFull, incl, o);
+      if (lane >= o) incl += v;
+    }
+    if (lane == 31) misc[warp] = incl;
+    __syncthreads();
+    int base = incl - mine;
+    for (int w = 0; w < warp; ++w) base += misc[w];
+    if (tid == kThreads - 1) misc[8] = base + mine;
+    return base;
+  };
+  // One unique page: per 64-key half, the tokens that selected it and see some key of the half.
+  auto emit = [&](int slot, int id, int page, uint32_t tokens) {
     uint32_t mask[2] = {0, 0};
     for (int h = 0; h < 2; ++h) {
       const int64_t k0 = int64_t(id) * kPage + h * kChunkKeys;
@@ -510,7 +486,70 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
         if (tok_range[r].x < k0 + kChunkKeys && tok_range[r].y > k0) mask[h] |= 1u << r;
       }
     }
-    uniq[base++] = make_int4(int(id), int(uint32_t(keys[e])), int(mask[0]), int(mask[1]));
+    uniq[slot] = make_int4(id, page, int(mask[0]), int(mask[1]));
+  };
+  auto page_ok = [&](int page) { return page >= 0 && page < p.num_cache_blocks; };
+  if (bitmap) {
+    for (int e = tid; e < n; e += kThreads) {
+      const int r = e / K, id = raw[e];
+      if (id >= 0 && id < tok_range[r].z) atomicOr(&sel[id], 1u << r);
+    }
+    __syncthreads();
+    const int seg = (nb_all + kThreads - 1) / kThreads, i0 = min(tid * seg, nb_all), i1 = min(i0 + seg, nb_all);
+    int mine = 0;
+    for (int i = i0; i < i1; ++i)
+      if (sel[i] != 0u) {
+        if (page_ok(table[i])) ++mine;
+        else sel[i] = 0u;  // a page outside the cache: skipped, as the sort path skips its entries
+      }
+    int base = block_scan(mine);
+    for (int i = i0; i < i1; ++i)
+      if (sel[i] != 0u) emit(base++, i, table[i], sel[i]);
+  } else {
+    // Entries -> sort keys (id << 37 | token << 32 | page), skipped ones (kNoEntry) last.
+    for (int e = tid; e < L.n_pad; e += kThreads) {
+      uint64_t key = kNoEntry;
+      if (e < n) {
+        const int r = e / K, id = raw[e];
+        if (id >= 0 && id < tok_range[r].z) {
+          const int page = table[id];
+          if (page_ok(page)) key = (uint64_t(id) << 37) | (uint64_t(r) << 32) | uint64_t(uint32_t(page));
+        }
+      }
+      keys[e] = key;
+    }
+    __syncthreads();
+    for (int k = 2; k <= L.n_pad; k <<= 1)
+      for (int j = k >> 1; j > 0; j >>= 1) {
+        for (int i = tid; i < L.n_pad; i += kThreads) {
+          const int ixj = i ^ j;
+          if (ixj > i) {
+            const uint64_t a = keys[i], bb = keys[ixj];
+            if ((a > bb) == ((i & k) == 0)) {
+              keys[i] = bb;
+              keys[ixj] = a;
+            }
+          }
+        }
+        __syncthreads();
+      }
+    // Unique ids in order: each thread counts the first occurrences in its segment, a scan over
+    // the segments gives their slots.
+    const int seg = (L.n_pad + kThreads - 1) / kThreads, e0 = tid * seg;
+    auto is_first = [&](int e) {
+      return e < L.n_pad && keys[e] != kNoEntry && (e == 0 || (keys[e] >> 37) != (keys[e - 1] >> 37));
+    };
+    int mine = 0;
+    for (int e = e0; e < e0 + seg; ++e) mine += is_first(e);
+    int base = block_scan(mine);
+    for (int e = e0; e < e0 + seg; ++e) {
+      if (!is_first(e)) continue;
+      const uint64_t id = keys[e] >> 37;
+      uint32_t tokens = 0;
+      for (int f = e; f < L.n_pad && keys[f] != kNoEntry && (keys[f] >> 37) == id; ++f)
+        tokens |= 1u << ((keys[f] >> 32) & 31);
+      emit(base++, int(id), int(uint32_t(keys[e])), tokens);
+    }
   }
   __syncthreads();
   const int U = misc[8], C = 2 * U;

@@ -130,6 +130,30 @@ __global__ void __launch_bounds__(kPrepThreads) draft_prep_kernel(DraftPrepParam
     p.e[int64_t(r) * p.rank + k] = pad ? 0 : p.w1[int64_t(anchor) * p.rank + k];
 }
 
+// ---- inputs and outputs -------------------------------------------------------------------------
+
+__global__ void draft_inputs_kernel(DraftInputsParams p) {
+  const int r = blockIdx.x;
+  const bool real = r < p.R;
+  if (threadIdx.x == 0) {
+    p.s_anchors[r] = real ? p.anchors[r] : -1;
+    p.s_positions[r] = real ? p.positions[r] : 0;
+    p.s_temps[r] = real ? p.temps[r] : 0.f;
+    p.s_seeds[r] = real ? p.seeds[r] : 0;
+  }
+  for (int j = threadIdx.x; j < p.N; j += blockDim.x)
+    p.s_slots[int64_t(r) * p.N + j] = real ? p.slots[int64_t(r) * p.N + j] : -1;
+  for (int b = threadIdx.x; b < p.MB; b += blockDim.x)
+    p.s_table[int64_t(r) * p.MB + b] = real && b < p.W ? p.table[int64_t(r) * p.W + b] : -1;
+}
+
+__global__ void draft_outputs_kernel(int32_t* tokens, const int32_t* s_tokens, float* conf, const float* s_conf, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    tokens[i] = s_tokens[i];
+    if (conf) conf[i] = s_conf[i];
+  }
+}
+
 // ---- embedding ----------------------------------------------------------------------------------
 
 __global__ void embed_rows_kernel(uint16_t* h, const uint16_t* table, const int32_t* ids, int H) {
@@ -296,6 +320,19 @@ void launch_draft_prep(const DraftPrepParams& p, stream_t stream) {
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   draft_prep_kernel<<<p.R, kPrepThreads, 0, s>>>(p);
   M3RT_LAUNCH_CHECK(s, "draft_prep_kernel");
+}
+
+void launch_draft_inputs(const DraftInputsParams& p, stream_t stream) {
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  draft_inputs_kernel<<<p.P, 128, 0, s>>>(p);
+  M3RT_LAUNCH_CHECK(s, "draft_inputs_kernel");
+}
+
+void launch_draft_outputs(int32_t* tokens, const int32_t* s_tokens, float* conf, const float* s_conf, int n,
+                          stream_t stream) {
+  const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  draft_outputs_kernel<<<std::max(1, std::min((n + 255) / 256, 1024)), 256, 0, s>>>(tokens, s_tokens, conf, s_conf, n);
+  M3RT_LAUNCH_CHECK(s, "draft_outputs_kernel");
 }
 
 void launch_embed_rows(uint16_t* h, const uint16_t* table, const int32_t* ids, int rows, int H, stream_t stream) {

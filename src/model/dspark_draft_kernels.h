@@ -4,8 +4,8 @@
 // params structs only; the model (dspark_model.cpp) owns the buffers. Math: include/m3rt/dspark_heads.h
 // and include/m3rt/dspark_model.h. Built only with CUDA.
 //
-// defines: DraftPrepParams, MarkovStepParams, ConfidenceParams, ProbsParams, kDraftError*,
-//          launch_draft_prep, launch_embed_rows, launch_markov_step, launch_confidence,
+// defines: DraftInputsParams, DraftPrepParams, MarkovStepParams, ConfidenceParams, ProbsParams, kDraftError*,
+//          launch_draft_inputs, launch_draft_outputs, launch_draft_prep, launch_embed_rows, launch_markov_step, launch_confidence,
 //          launch_draft_probs, launch_fill_random_bf16, markov_partials.
 #pragma once
 
@@ -52,6 +52,21 @@ struct DraftPrepParams {
   int64_t* errors;      // [R, 3]: (code, value, at), sticky
 };
 void launch_draft_prep(const DraftPrepParams& p, stream_t stream);
+
+// A call's inputs into the step's static buffers in one launch: request rows r < R are copied,
+// rows R <= r < P are padding (anchor -1); block-table columns past the caller's W read -1.
+struct DraftInputsParams {
+  int R, P, N, W, MB;
+  const int32_t* anchors;  const int64_t* positions;  const int64_t* slots;  const int32_t* table;
+  const float* temps;      const int64_t* seeds;
+  int32_t* s_anchors;      int64_t* s_positions;      int64_t* s_slots;      int32_t* s_table;
+  float* s_temps;          int64_t* s_seeds;
+};
+void launch_draft_inputs(const DraftInputsParams& p, stream_t stream);
+
+// The step's tokens (and confidences, when `conf` is set) for the first n = R * N rows.
+void launch_draft_outputs(int32_t* tokens, const int32_t* s_tokens, float* conf, const float* s_conf, int n,
+                          stream_t stream);
 
 // h[t] = table[ids[t]] for t < rows (rows of H bf16).
 void launch_embed_rows(uint16_t* h, const uint16_t* table, const int32_t* ids, int rows, int H, stream_t stream);

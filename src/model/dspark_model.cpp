@@ -798,20 +798,15 @@ void DsparkModel::Impl::draft_gpu(const DsparkDraftArgs& a, int64_t R, stream_t 
   const auto user = reinterpret_cast<cudaStream_t>(stream);
   M3RT_CUDA_CHECK(cudaEventRecord(g.ev_in, user));
   M3RT_CUDA_CHECK(cudaStreamWaitEvent(s, g.ev_in, 0));
-  // Inputs into the static buffers; padded requests and table columns read as -1.
-  auto d2d = [&](void* dst, const void* src, int64_t bytes) {
-    M3RT_CUDA_CHECK(cudaMemcpyAsync(dst, src, size_t(bytes), cudaMemcpyDeviceToDevice, s));
-  };
-  M3RT_CUDA_CHECK(cudaMemsetAsync(g.anchors.data(), 0xff, size_t(P) * 4, s));
-  M3RT_CUDA_CHECK(cudaMemsetAsync(g.table.data(), 0xff, size_t(P * g.MB) * 4, s));
-  d2d(g.anchors.data(), a.anchor_tokens.data, R * 4);
-  d2d(g.apos.data(), a.anchor_positions.data, R * 8);
-  d2d(g.bslots.data(), a.block_slots.data, R * N * 8);
-  d2d(g.temps.data(), a.temperatures.data, R * 4);
-  d2d(g.seeds.data(), a.seeds.data, R * 8);
-  if (W > 0)
-    M3RT_CUDA_CHECK(cudaMemcpy2DAsync(g.table.data(), size_t(g.MB) * 4, a.block_table.data, size_t(W) * 4,
-                                      size_t(W) * 4, size_t(R), cudaMemcpyDeviceToDevice, s));
+  // Inputs into the static buffers (one launch); padded requests and table columns read as -1.
+  detail::launch_draft_inputs(
+      {.R = int(R), .P = int(P), .N = int(N), .W = int(W), .MB = g.MB, .anchors = a.anchor_tokens.ptr<const int32_t>(),
+       .positions = a.anchor_positions.ptr<const int64_t>(), .slots = a.block_slots.ptr<const int64_t>(),
+       .table = a.block_table.ptr<const int32_t>(), .temps = a.temperatures.ptr<const float>(),
+       .seeds = a.seeds.ptr<const int64_t>(), .s_anchors = g.anchors.ptr<int32_t>(), .s_positions = g.apos.ptr<int64_t>(),
+       .s_slots = g.bslots.ptr<int64_t>(), .s_table = g.table.ptr<int32_t>(), .s_temps = g.temps.ptr<float>(),
+       .s_seeds = g.seeds.ptr<int64_t>()},
+      s);
   gpu_work(P);  // the attention plan for P, built outside any capture
   if (opt.use_graphs) {
     auto it = g.graphs.find(P);
@@ -842,8 +837,12 @@ void DsparkModel::Impl::draft_gpu(const DsparkDraftArgs& a, int64_t R, stream_t 
   }
   g.draft_timed = true;
   // Outputs.
-  d2d(a.draft_tokens.data, g.tokens.data(), R * N * 4);
-  if (a.confidence.defined()) d2d(a.confidence.data, g.conf.data(), R * N * 4);
+  auto d2d = [&](void* dst, const void* src, int64_t bytes) {
+    M3RT_CUDA_CHECK(cudaMemcpyAsync(dst, src, size_t(bytes), cudaMemcpyDeviceToDevice, s));
+  };
+  detail::launch_draft_outputs(a.draft_tokens.ptr<int32_t>(), g.tokens.ptr<int32_t>(),
+                               a.confidence.defined() ? a.confidence.ptr<float>() : nullptr, g.conf.ptr<float>(),
+                               int(R * N), s);
   if (a.head_hidden.defined()) d2d(a.head_hidden.data, g.head.data(), R * N * H * 2);
   if (a.base_logits.defined()) d2d(a.base_logits.data, g.logits.data(), R * N * V * 2);
   if (a.draft_probs.defined())

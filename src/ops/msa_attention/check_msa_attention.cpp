@@ -259,6 +259,10 @@ void check_msa_decode(CheckContext& c) {
   check_msa_variant(c, {true, 16, 2, 16, 32, {1300, 40}, {}});
   check_msa_variant(c, {false, 4, 2, 64, 2, {3000, 70, 9000}, {}});
   check_msa_variant(c, {false, 2, 2, 16, 1, {500, 260}, {}});
+  // The drafter's shape: 7 block rows x 16 heads (112-row groups), non-causal, window 4096, 64
+  // listed blocks of 65; batch 2 splits each group over many CTAs (on Hopper: one cluster that
+  // merges through DSMEM).
+  check_msa_variant(c, {false, 64, 4, 64, 7, {8199, 1000}, {}, {.causal = false, .window_left = 4096}});
 }
 
 }  // namespace m3rt::detail

@@ -41,6 +41,7 @@
 // bench_msa_attention.cu; design and numbers: README.md.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cooperative_groups.h>
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -704,6 +705,49 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
     }
     return;
   }
+#if __CUDA_ARCH__ >= 900
+  if (p.cluster) {
+    // The splits are one thread-block cluster: each merges rows [split * rows / S, ...) reading
+    // every split's (m, l) and weighted output planes from its shared memory (DSMEM), in split
+    // order, the same arithmetic as the global merge below; nobody leaves before all have read.
+    namespace cg = cooperative_groups;
+    cg::cluster_group cl = cg::this_cluster();
+    cl.sync();
+    const int r0 = int(int64_t(split) * rows / splits), r1 = int(int64_t(split + 1) * rows / splits);
+    for (int row = r0 + warp; row < r1; row += kWarps) {
+      // Lane s holds split s's weight.
+      float2 ml = make_float2(-INFINITY, 0.f);
+      if (lane < splits) ml = cl.map_shared_rank(row_ml, lane)[row];
+      float m = ml.x;
+      for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, o));
+      const float w = lane < splits && ml.x != -INFINITY ? exp2f(ml.x - m) : 0.f;
+      float l = 0.f;
+      for (int s2 = 0; s2 < splits; ++s2) l += __shfl_sync(kFull, w, s2) * __shfl_sync(kFull, ml.y, s2);
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};  // columns 2 lane, 2 lane + 1, 64 + 2 lane, 65 + 2 lane
+      for (int s2 = 0; s2 < splits; ++s2) {
+        const float ws = __shfl_sync(kFull, w, s2);
+        if (ws == 0.f) continue;  // an empty split (weight 0) adds nothing (uniform over the warp)
+        const float* rf = cl.map_shared_rank(fin, s2);
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int c0 = 64 * q + 2 * lane;
+          float v0 = 0.f, v1 = 0.f;
+          for (int k = 0; k < KS; ++k) {
+            v0 += rf[k * plane + fin_index(row, c0)];
+            v1 += rf[k * plane + fin_index(row, c0 + 1)];
+          }
+          acc[2 * q] += v0 * ws;
+          acc[2 * q + 1] += v1 * ws;
+        }
+      }
+      write_row(row, m, l, [&](int col) {  // selects, not an index: acc stays in registers
+        return col >= 64 ? (col & 1 ? acc[3] : acc[2]) : (col & 1 ? acc[1] : acc[0]);
+      });
+    }
+    cl.sync();
+    return;
+  }
+#endif
   const int64_t pair = int64_t(blockIdx.x) * p.num_kv_heads + kv_head;
   const int64_t slot0 = pair * splits;
   {
@@ -823,6 +867,53 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
   return cfg;
 }
 
+// Whether a split decode merges through a cluster: sm_90+, groups of more than 64 rows (a merge
+// of 16 rows is cheap in global memory: H200, batch 1, 16 rows, 16 splits: 15.8 us global vs 26.6
+// us cluster), at most 16 splits, and every group's cluster resident at once (clusters of 1 CTA
+// per SM pack into GPCs: more than fit would run in a second wave). Cached per (device, kernel,
+// smem, splits, clusters). M3RT_MSA_CLUSTER=0 keeps the global-memory merge (benchmarks).
+bool cluster_merge_fits(const KernelConfig& cfg, dim3 grid, int splits, int rows) {
+  if (splits > 16 || rows <= 64) return false;
+  if (const char* env = std::getenv("M3RT_MSA_CLUSTER"); env && std::string(env) == "0") return false;
+  int dev = 0, major = 0;
+  M3RT_CUDA_CHECK(cudaGetDevice(&dev));
+  M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  if (major < 9) return false;
+  struct Known {
+    int dev;
+    KernelFn fn;
+    int smem, splits;
+    int64_t clusters;
+    bool fits;
+  };
+  const int64_t needed = int64_t(grid.x) * grid.y;
+  static std::mutex mu;
+  static std::vector<Known> known;
+  const std::lock_guard<std::mutex> lock(mu);
+  for (const Known& k : known)
+    if (k.dev == dev && k.fn == cfg.fn && k.smem == cfg.smem && k.splits == splits && k.clusters == needed)
+      return k.fits;
+  bool fits = true;
+  if (splits > 8 && cudaFuncSetAttribute(cfg.fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
+    fits = false;
+  if (fits) {
+    cudaLaunchConfig_t lc{};
+    lc.gridDim = grid;
+    lc.blockDim = dim3(unsigned(cfg.threads));
+    lc.dynamicSmemBytes = size_t(cfg.smem);
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = 1, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = unsigned(splits);
+    lc.attrs = &attr;
+    lc.numAttrs = 1;
+    int clusters = 0;
+    fits = cudaOccupancyMaxActiveClusters(&clusters, cfg.fn, &lc) == cudaSuccess && clusters >= needed;
+  }
+  (void)cudaGetLastError();  // a refused query is an answer, not an error for the next launch
+  known.push_back({dev, cfg.fn, cfg.smem, splits, needed, fits});
+  return fits;
+}
+
 }  // namespace
 
 void msa_force_baseline(bool on) { g_force_baseline = on; }
@@ -856,7 +947,24 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
     throw Error("msa_attention: split decode without its scratch (internal)");
   const KernelConfig cfg = kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, groups * p.num_kv_heads * splits);
   const dim3 grid(unsigned(groups), unsigned(p.num_kv_heads), unsigned(splits));
-  cfg.fn<<<grid, cfg.threads, cfg.smem, stream>>>(p, cfg.stages);
+  if (splits > 1 && cluster_merge_fits(cfg, grid, splits, msa_group_rows(G, tg))) {
+    // Split decode on Hopper: each group's splits form one cluster and merge through DSMEM.
+    MsaParams q = p;
+    q.cluster = 1;
+    cudaLaunchConfig_t lc{};
+    lc.gridDim = grid;
+    lc.blockDim = dim3(unsigned(cfg.threads));
+    lc.dynamicSmemBytes = size_t(cfg.smem);
+    lc.stream = stream;
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = 1, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = unsigned(splits);
+    lc.attrs = &attr;
+    lc.numAttrs = 1;
+    M3RT_CUDA_CHECK(cudaLaunchKernelEx(&lc, cfg.fn, q, cfg.stages));
+  } else {
+    cfg.fn<<<grid, cfg.threads, cfg.smem, stream>>>(p, cfg.stages);
+  }
   M3RT_LAUNCH_CHECK(stream, "msa_sparse_kernel");
 }
 

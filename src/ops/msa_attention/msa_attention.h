@@ -51,6 +51,8 @@ struct MsaParams {
   float* part_o;                // [groups * Hkv * num_splits, msa_group_rows, 128] fp32
   float* part_ml;               // [groups * Hkv * num_splits, msa_group_rows, 2]: running max (log2), sum
   int* counters;                // [groups * Hkv], zero between calls
+  int cluster;                  // set by the launch: the splits of a group are one cluster
+                                // (sm_90+) and merge through DSMEM (part_o etc. unused)
 };
 
 // The tensor-core kernel's geometry (shared by the plan, which sizes the split scratch, and the

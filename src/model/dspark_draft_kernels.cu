@@ -156,11 +156,16 @@ __global__ void draft_outputs_kernel(int32_t* tokens, const int32_t* s_tokens, f
 
 // ---- embedding ----------------------------------------------------------------------------------
 
-__global__ void embed_rows_kernel(uint16_t* h, const uint16_t* table, const int32_t* ids, int H) {
+__global__ void embed_rows_kernel(uint16_t* h, uint16_t* copy, const uint16_t* table, const int32_t* ids, int H) {
   const int t = blockIdx.x;
   const uint4* src = reinterpret_cast<const uint4*>(table + int64_t(ids[t]) * H);
   uint4* dst = reinterpret_cast<uint4*>(h + int64_t(t) * H);
-  for (int i = threadIdx.x; i < H / 8; i += blockDim.x) dst[i] = src[i];
+  uint4* dst2 = copy ? reinterpret_cast<uint4*>(copy + int64_t(t) * H) : nullptr;
+  for (int i = threadIdx.x; i < H / 8; i += blockDim.x) {
+    const uint4 v = src[i];
+    dst[i] = v;
+    if (dst2) dst2[i] = v;
+  }
 }
 
 // ---- Markov loop --------------------------------------------------------------------------------
@@ -335,9 +340,10 @@ void launch_draft_outputs(int32_t* tokens, const int32_t* s_tokens, float* conf,
   M3RT_LAUNCH_CHECK(s, "draft_outputs_kernel");
 }
 
-void launch_embed_rows(uint16_t* h, const uint16_t* table, const int32_t* ids, int rows, int H, stream_t stream) {
+void launch_embed_rows(uint16_t* h, uint16_t* copy, const uint16_t* table, const int32_t* ids, int rows, int H,
+                       stream_t stream) {
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  embed_rows_kernel<<<rows, 128, 0, s>>>(h, table, ids, H);
+  embed_rows_kernel<<<rows, 128, 0, s>>>(h, copy, table, ids, H);
   M3RT_LAUNCH_CHECK(s, "embed_rows_kernel");
 }
 

@@ -5,7 +5,8 @@
 // and include/m3rt/dspark_model.h. Built only with CUDA.
 //
 // defines: DraftInputsParams, DraftPrepParams, MarkovStepParams, ConfidenceParams, ProbsParams, kDraftError*,
-//          launch_draft_inputs, launch_draft_outputs, launch_draft_prep, launch_embed_rows, launch_markov_step, launch_confidence,
+//          launch_draft_inputs, launch_draft_outputs, launch_draft_prep, launch_embed_rows,
+//          launch_markov_step, launch_confidence,
 //          launch_draft_probs, launch_fill_random_bf16, markov_partials.
 #pragma once
 
@@ -68,8 +69,10 @@ void launch_draft_inputs(const DraftInputsParams& p, stream_t stream);
 void launch_draft_outputs(int32_t* tokens, const int32_t* s_tokens, float* conf, const float* s_conf, int n,
                           stream_t stream);
 
-// h[t] = table[ids[t]] for t < rows (rows of H bf16).
-void launch_embed_rows(uint16_t* h, const uint16_t* table, const int32_t* ids, int rows, int H, stream_t stream);
+// h[t] = table[ids[t]] for t < rows (rows of H bf16), and the same rows into `copy` when set (the
+// first layer's residual).
+void launch_embed_rows(uint16_t* h, uint16_t* copy, const uint16_t* table, const int32_t* ids, int rows, int H,
+                       stream_t stream);
 
 struct MarkovStepParams {
   int R, N, V, step;              // step i in [0, N)

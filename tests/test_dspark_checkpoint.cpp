@@ -43,15 +43,7 @@ std::string error_of(const std::function<void()>& f) {
 std::string target_file(const TempDir& d) { return d / "target/model.safetensors"; }
 
 TEST(DsparkCheckpoint, RealM31LayoutHas97Tensors) {
-  DsparkConfig c = tiny_dspark_config(DsparkQuant::kMxfp8);
-  c.num_layers = 5;
-  c.hidden_size = 6144;
-  c.num_heads = 64;
-  c.num_kv_heads = 4;
-  c.ffn_size = 12288;
-  c.vocab_size = 200064;
-  c.markov_rank = 256;
-  c.target_layer_ids = {3, 17, 31, 45, 59};
+  const DsparkConfig c = m31_dspark_config(DsparkQuant::kMxfp8);
   const std::vector<DsparkTensorSpec> l = dspark_draft_layout(c);
   EXPECT_EQ(l.size(), 97u);  // dspark.md §1: the released checkpoint's tensor count
   auto find = [&](const std::string& n) -> const DsparkTensorSpec* {

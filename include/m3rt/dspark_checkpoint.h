@@ -81,6 +81,10 @@ struct TinyDraftOptions {
 // (head_dim 128), FFN 512, vocab 1000, block 7, mask id 999, target layers [0, 1], Markov rank 32,
 // confidence head with Markov input, window 4096, rotary 64.
 DsparkConfig tiny_dspark_config(DsparkQuant quant = DsparkQuant::kBFloat16);
+// The released MiniMax-M3.1 draft's sizes (dspark.md §1): 5 layers, hidden 6144, 64/4 heads, FFN
+// 12288, vocab 200064, Markov rank 256, target layers {3, 17, 31, 45, 59}; the rest as the tiny one
+// (block 7, window 4096, rotary 64, theta 5e6, confidence head with Markov input).
+DsparkConfig m31_dspark_config(DsparkQuant quant = DsparkQuant::kMxfp8);
 
 // Writes a complete random checkpoint for `c` into `dir` (created if needed): config.json,
 // draft.safetensors (the draft layout; mxfp8 linears as e4m3 codes with E8M0 scales) and

@@ -177,6 +177,20 @@ DsparkConfig tiny_dspark_config(DsparkQuant quant) {
   return c;
 }
 
+DsparkConfig m31_dspark_config(DsparkQuant quant) {
+  DsparkConfig c = tiny_dspark_config(quant);
+  c.num_layers = 5;
+  c.hidden_size = 6144;
+  c.num_heads = 64;
+  c.num_kv_heads = 4;
+  c.ffn_size = 12288;
+  c.vocab_size = 200064;
+  c.mask_token_id = 200063;
+  c.markov_rank = 256;
+  c.target_layer_ids = {3, 17, 31, 45, 59};
+  return c;
+}
+
 void make_tiny_dspark_checkpoint(const std::string& dir, const DsparkConfig& c, const TinyDraftOptions& opt) {
   std::error_code ec;
   fs::create_directories(fs::path(dir) / "target", ec);

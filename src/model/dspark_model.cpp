@@ -181,6 +181,7 @@ struct DsparkModel::Impl {
   void linear(const TensorView& y, const TensorView& x, const TensorView& w, stream_t s, bool tune = true);
   void forward(const Work& w, stream_t s);
   void record(int stage, stream_t s);
+  void begin(const DsparkConfig& config, const DsparkModelOptions& options);  // checks, stores
   void finish();
 #ifdef M3RT_WITH_CUDA
   void init_gpu();
@@ -277,16 +278,36 @@ Tensor random_tensor(const std::vector<int64_t>& shape, float a, uint64_t seed, 
 }
 }  // namespace
 
+namespace {
+// The model's device current for the scope of a constructor (nothing on the CPU).
+class DeviceScope {
+ public:
+  explicit DeviceScope(Device d) {
+#ifdef M3RT_WITH_CUDA
+    if (d.is_cuda()) guard_ = std::make_unique<detail::DeviceGuard>(d.index);
+#else
+    (void)d;
+#endif
+  }
+
+ private:
+#ifdef M3RT_WITH_CUDA
+  std::unique_ptr<detail::DeviceGuard> guard_;
+#endif
+};
+}  // namespace
+
+void DsparkModel::Impl::begin(const DsparkConfig& config, const DsparkModelOptions& options) {
+  check_options(options);
+  c = config;
+  opt = options;
+  dev = options.device;
+}
+
 DsparkModel::DsparkModel(const DsparkCheckpoint& ck, const DsparkModelOptions& opt) : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
-  check_options(opt);
-  m.c = ck.config();
-  m.opt = opt;
-  m.dev = opt.device;
-  std::unique_ptr<detail::DeviceGuard> guard;
-#ifdef M3RT_WITH_CUDA
-  if (m.on_gpu()) guard = std::make_unique<detail::DeviceGuard>(m.dev.index);
-#endif
+  m.begin(ck.config(), opt);
+  const DeviceScope scope(m.dev);
   m.build([&](const std::string& name, const std::vector<int64_t>&, float) { return checkpoint_tensor(ck, name, m.dev); },
           [&](const std::string& name, const std::vector<int64_t>&, float) -> TensorView {
             const TensorView v = name.rfind("language_model.", 0) == 0 ? ck.tensor(name) : ck.dspark(name);
@@ -300,14 +321,8 @@ DsparkModel::DsparkModel(const DsparkCheckpoint& ck, const DsparkModelOptions& o
 DsparkModel::DsparkModel(const DsparkConfig& config, const DsparkModelOptions& opt, uint64_t seed)
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
-  check_options(opt);
-  m.c = config;
-  m.opt = opt;
-  m.dev = opt.device;
-  std::unique_ptr<detail::DeviceGuard> guard;
-#ifdef M3RT_WITH_CUDA
-  if (m.on_gpu()) guard = std::make_unique<detail::DeviceGuard>(m.dev.index);
-#endif
+  m.begin(config, opt);
+  const DeviceScope scope(m.dev);
   uint64_t n = 0;
   auto next = [&] { return detail::splitmix64(seed + 0x5851f42d4c957f2dull * ++n); };
   m.build([&](const std::string&, const std::vector<int64_t>& shape, float a) { return random_tensor(shape, a, next(), m.dev); },

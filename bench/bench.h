@@ -43,10 +43,9 @@ double measure_copy_ceiling_gbps();
 double measure_gemm_tflops();
 
 // Median microseconds per call of `call(i, stream)`, where i cycles over the input sets, timed as
-// graph replays of `calls_per_graph` calls (graph=false: eager launches in a loop). `after_sample`
-// (optional) runs after each timed sample has completed, outside the timed region.
+// graph replays of `calls_per_graph` calls (graph=false: eager launches in a loop).
 double time_us(const std::function<void(int, CUstream_st*)>& call, int num_sets, bool graph,
-               const BenchEnv& env, int calls_per_graph = 20, const std::function<void()>& after_sample = {});
+               const BenchEnv& env, int calls_per_graph = 20);
 
 // Fills n bf16 values with a hash of (seed, index) mapped to [lo, hi] (never zeros-only data).
 void fill_uniform_bf16(void* p, int64_t n, uint64_t seed, float lo, float hi);

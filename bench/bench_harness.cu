@@ -80,7 +80,7 @@ double measure_gemm_tflops() {
 }
 
 double time_us(const std::function<void(int, CUstream_st*)>& call, int num_sets, bool graph,
-               const BenchEnv& env, int calls_per_graph, const std::function<void()>& after_sample) {
+               const BenchEnv& env, int calls_per_graph) {
   cudaStream_t s;
   M3RT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaEvent_t e0, e1;
@@ -105,7 +105,6 @@ double time_us(const std::function<void(int, CUstream_st*)>& call, int num_sets,
       float ms = 0;
       M3RT_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
       samples.push_back(ms * 1e3 / calls_per_graph);
-      if (after_sample) after_sample();
     }
     cudaGraphExecDestroy(ge);
     cudaGraphDestroy(g);
@@ -119,7 +118,6 @@ double time_us(const std::function<void(int, CUstream_st*)>& call, int num_sets,
       float ms = 0;
       M3RT_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
       samples.push_back(ms * 1e3 / calls_per_graph);
-      if (after_sample) after_sample();
     }
   }
   M3RT_CUDA_CHECK(cudaStreamSynchronize(s));

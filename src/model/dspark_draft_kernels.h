@@ -1,13 +1,14 @@
 // Internal: the DSpark draft step's own CUDA kernels (everything that is not an m3rt op or a GEMM):
-// block-row preparation from device-side inputs, embedding rows, the Markov loop's per-step
-// finalize/reduce, the confidence head, the draft distributions, random weights. Raw pointers and
-// params structs only; the model (dspark_model.cpp) owns the buffers. Math: include/m3rt/dspark_heads.h
-// and include/m3rt/dspark_model.h. Built only with CUDA.
+// the call's input gather and output copy, block-row preparation with device-side checks,
+// embedding rows, the Markov loop's step (logits, keys, last-CTA reduce), the confidence head, the
+// draft distributions, random weights. Raw pointers and params structs only; the model
+// (dspark_model.cpp) owns the buffers. Math: include/m3rt/dspark_heads.h and
+// include/m3rt/dspark_model.h. Built only with CUDA.
 //
-// defines: DraftInputsParams, DraftPrepParams, MarkovStepParams, ConfidenceParams, ProbsParams, kDraftError*,
-//          launch_draft_inputs, launch_draft_outputs, launch_draft_prep, launch_embed_rows,
-//          launch_markov_step, launch_confidence,
-//          launch_draft_probs, launch_fill_random_bf16, markov_partials.
+// defines: DraftInputsParams, DraftPrepParams, MarkovStepParams, ConfidenceParams, ProbsParams,
+//          kDraftError*, launch_draft_inputs, launch_draft_outputs, launch_draft_prep,
+//          launch_embed_rows, launch_markov_step, launch_confidence, launch_draft_probs,
+//          launch_fill_random_bf16, markov_partials.
 #pragma once
 
 #include <cstdint>

@@ -66,6 +66,7 @@ std::vector<BenchRow> bench_dspark_context_kv(const BenchEnv& env);
 std::vector<BenchRow> bench_qknorm_rope_kv_insert(const BenchEnv& env);
 std::vector<BenchRow> bench_lightning_indexer(BenchEnv& env);
 std::vector<BenchRow> bench_msa_attention(BenchEnv& env);
+std::vector<BenchRow> bench_msa_attention_draft(BenchEnv& env);  // the drafter's attention shape
 std::vector<BenchRow> bench_dspark_draft(BenchEnv& env);  // src/model/bench_dspark_draft.cu
 
 // Runs every bench whose op name contains `filter`.

@@ -190,6 +190,10 @@ std::vector<BenchRow> run_benches(BenchEnv& env, const std::string& filter) {
     auto r = bench_msa_attention(env);
     rows.insert(rows.end(), r.begin(), r.end());
   }
+  if (want("msa_attention_draft")) {
+    auto r = bench_msa_attention_draft(env);
+    rows.insert(rows.end(), r.begin(), r.end());
+  }
   if (want("dspark_draft")) {
     auto r = bench_dspark_draft(env);
     rows.insert(rows.end(), r.begin(), r.end());

@@ -15,9 +15,13 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <numeric>
 #include <random>
 #include <set>
+#include <string>
+#include <tuple>
 
 #include "bench.h"
 #include "core/cuda_check.h"
@@ -143,7 +147,9 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
   struct Case {
     int B, ctx, dql;
   };
-  auto plan_splits = [](const Case& c) { return msa_decode_splits(c.B, c.dql, kHq, kHkv, kTopk, c.ctx / kPageTokens); };
+  auto plan_splits = [](const Case& c) {
+    return msa_decode_geometry(c.B, c.dql, kHq, kHkv, kTopk, c.ctx / kPageTokens).splits;
+  };
   std::vector<Case> decode_cases;
   for (int ctx : env.quick ? std::vector<int>{32768} : std::vector<int>{32768, 131072})
     for (int B : env.quick ? std::vector<int>{1, 32} : std::vector<int>{1, 32, 128})
@@ -173,6 +179,23 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
       r.gbps = r.bytes / (r.us * 1e3);
       r.pct_ceiling = 100.0 * r.gbps / env.copy_gbps;
       r.note = std::to_string(plan_splits(c)) + " splits";
+      if (c.B == 1 && c.ctx == 32768 && !env.quick) {  // batch 1: the work split and merge, same run
+        for (const auto& [name, var, val] : {std::tuple<const char*, const char*, const char*>{"key parts 1", "M3RT_MSA_KEY_PARTS", "1"},
+                                             {"key parts 2", "M3RT_MSA_KEY_PARTS", "2"},
+                                             {"cluster merge", "M3RT_MSA_CLUSTER", "1"}}) {
+          setenv(var, val, 1);
+          MsaDecodePlan alt({c.B, c.dql, kHq, kHkv, kTopk, nb, kd}, Device::cuda());
+          auto alt_call = [&](int s, CUstream_st* st) {
+            const Batch& bt = batch[size_t(s)];
+            alt.run({.q = bt.q, .cache = {bt.cache, kd, ksd, vsd}, .topk = bt.topk_view, .seq_lens = bt.lens,
+                     .block_table = bt.table, .softmax_scale = scale, .out = bt.out}, st);
+          };
+          char b[64];
+          std::snprintf(b, sizeof b, "; %s %.2f us", name, time_us(alt_call, sets, true, env));
+          r.note += b;
+          unsetenv(var);
+        }
+      }
       rows.push_back(r);
       if (c.B == 32 && !env.quick) {  // the first (CUDA-core) kernel, timed in the same run
         msa_force_baseline(true);
@@ -209,6 +232,86 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
         rows.back().ratios.push_back({"vs baseline kernel", time_us(call, 1, true, env, 3) / r.us});
         msa_force_baseline(false);
       }
+    }
+  }
+  return rows;
+}
+
+// The drafter's attention (src/model: the draft block of 7 tokens attends non-causally to its
+// request's context in a 4096-key window, every block of the window listed, topk 64): B requests of
+// 8192 cached tokens + the block, Hq 64 / Hkv 4 (112-row groups), bf16 cache. Rows: the plan's
+// default, other split counts (M3RT_MSA_SPLITS) and the global-memory merge (M3RT_MSA_CLUSTER=0),
+// each a graph replay with inputs rotated beyond L2.
+std::vector<BenchRow> bench_msa_attention_draft(BenchEnv& env) {
+  constexpr int N = 7, K = kMsaMaxTopk, window = 4096, ctx = 8192;
+  const int seq = ctx + N, first = (ctx - window + 1) / kPageTokens, last = (seq - 1) / kPageTokens;
+  const int nb = last + 1, span = last - first + 1;
+  const float scale = 0.08838834764831845f;
+  const Tensor ks = Tensor::empty({1}, DType::kFloat32, Device::cuda()), vs = ks;
+  std::mt19937_64 rng(11);
+  std::vector<BenchRow> rows;
+  for (int B : env.quick ? std::vector<int>{1} : std::vector<int>{1, 8}) {
+    const int64_t T = int64_t(B) * N;
+    const double slice = double(kPageTokens) * 256 * 2, bytes = double(B) * kHkv * span * slice + double(T) * kHq * 512;
+    const int sets = sets_beyond_l2(bytes, 16);
+    struct Set {
+      Tensor cache, q, out, lens, table, topk;
+      TensorView topk_view;
+    };
+    std::vector<Set> sv(static_cast<size_t>(sets));
+    for (Set& st : sv) {
+      st.cache = Tensor::empty({int64_t(B) * nb, kHkv, kPageTokens, 256}, DType::kBFloat16, Device::cuda());
+      fill_uniform_bf16(st.cache.data(), st.cache.numel(), rng(), -1.f, 1.f);
+      st.q = Tensor::empty({T, kHq, 128}, DType::kBFloat16, Device::cuda());
+      fill_uniform_bf16(st.q.data(), st.q.numel(), rng(), -1.f, 1.f);
+      st.out = Tensor::empty({T, kHq, 128}, DType::kBFloat16, Device::cuda());
+      Tensor lens = Tensor::empty({B}, DType::kInt32), table = Tensor::empty({B, nb}, DType::kInt32),
+             topk = Tensor::empty({kHkv, T, K}, DType::kInt32);
+      std::vector<int32_t> perm(size_t(B) * nb);
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      std::copy(perm.begin(), perm.end(), table.ptr<int32_t>());
+      for (int b = 0; b < B; ++b) lens.ptr<int32_t>()[b] = seq;
+      for (int64_t i = 0; i < topk.numel(); ++i) topk.ptr<int32_t>()[i] = int(i % K) < span ? first + int(i % K) : -1;
+      st.lens = lens.to(Device::cuda()), st.table = table.to(Device::cuda()), st.topk = topk.to(Device::cuda());
+      st.topk_view = st.topk.view();
+    }
+    const MsaMask mask{.causal = false, .window_left = window};
+    struct Variant {
+      const char* name;
+      const char* tokens;   // M3RT_MSA_GROUP_TOKENS, nullptr: the plan's default
+      const char* splits;   // M3RT_MSA_SPLITS
+      const char* cluster;  // M3RT_MSA_CLUSTER: "0" global merge, "1" cluster also for <= 64 rows
+    };
+    for (const Variant& v : {Variant{"default", nullptr, nullptr, nullptr},
+                             Variant{"7-token groups", "7", nullptr, nullptr},
+                             Variant{"7-token groups, global merge", "7", nullptr, "0"},
+                             Variant{"cluster merge", nullptr, nullptr, "1"},
+                             Variant{"global merge", nullptr, nullptr, "0"},
+                             Variant{"splits 8", nullptr, "8", nullptr}}) {
+      if (env.quick && std::string(v.name) != "default") continue;
+      if (v.tokens) setenv("M3RT_MSA_GROUP_TOKENS", v.tokens, 1);
+      if (v.splits) setenv("M3RT_MSA_SPLITS", v.splits, 1);
+      if (v.cluster) setenv("M3RT_MSA_CLUSTER", v.cluster, 1);
+      MsaDecodePlan plan({B, N, kHq, kHkv, K, nb, KvCacheDtype::kAuto}, Device::cuda());
+      const MsaDecodeGeometry geo = msa_decode_geometry(B, N, kHq, kHkv, K, nb);
+      auto call = [&](int s, CUstream_st* stream) {
+        const Set& st = sv[size_t(s)];
+        plan.run({.q = st.q, .cache = {st.cache, KvCacheDtype::kAuto, ks, vs}, .topk = st.topk_view,
+                  .seq_lens = st.lens, .block_table = st.table, .softmax_scale = scale, .mask = mask, .out = st.out},
+                 stream);
+      };
+      BenchRow r;
+      r.op = "msa_attention_draft";
+      r.variant = "draft block B" + std::to_string(B) + " ctx8K win4096 " + v.name;
+      r.us = time_us(call, sets, true, env);
+      r.bytes = bytes;
+      r.gbps = bytes / (r.us * 1e3);
+      r.pct_ceiling = 100.0 * r.gbps / env.copy_gbps;
+      r.note = std::to_string(geo.group_tokens) + "-token groups, " + std::to_string(geo.splits) + " splits, " +
+               std::to_string(span) + " pages per (request, KV head)";
+      rows.push_back(r);
+      for (const char* var : {"M3RT_MSA_GROUP_TOKENS", "M3RT_MSA_SPLITS", "M3RT_MSA_CLUSTER"}) unsetenv(var);
     }
   }
   return rows;

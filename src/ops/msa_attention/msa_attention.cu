@@ -402,7 +402,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
   constexpr int kThreads = kWarps * 32;
   extern __shared__ __align__(128) char smem[];
   const int G = p.num_heads / p.num_kv_heads;
-  const int tg = msa_group_tokens(G, p.decode_query_len);
+  const int tg = p.group_tokens > 0 ? p.group_tokens : msa_group_tokens(G, p.decode_query_len);
   const SmemLayout L = smem_layout(kFp8, stages, tg, G, p.topk_k, p.max_blocks, kWarps);
   char* area = smem;
   char* q_s = smem + L.q_off;
@@ -563,7 +563,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
   const int R = (rows + 15) / 16;
   const int CL = kWarps == 8 && R <= 4 ? 2 : 1;  // chunks per iteration
   const int lane_warps = kWarps / CL, lg = warp / lane_warps, w = warp % lane_warps;
-  const int KSg = lane_warps == 8 || R >= 3 ? 1 : (R == 2 ? 2 : 4);
+  const int KSg = min(lane_warps == 8 || R >= 3 ? 1 : (R == 2 ? 2 : 4), p.max_key_parts > 0 ? p.max_key_parts : 4);
   const int tile = w / KSg;
   const int KS = CL * KSg, kp = lg * KSg + w % KSg;  // output planes (key parts) and this warp's
   const int keys_per_part = kChunkKeys / KSg, key_base = (w % KSg) * keys_per_part;
@@ -708,41 +708,70 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
 #if __CUDA_ARCH__ >= 900
   if (p.cluster) {
     // The splits are one thread-block cluster: each merges rows [split * rows / S, ...) reading
-    // every split's (m, l) and weighted output planes from its shared memory (DSMEM), in split
-    // order, the same arithmetic as the global merge below; nobody leaves before all have read.
+    // every split's (m, l) and weighted output plane from its shared memory (DSMEM), in split
+    // order: the same arithmetic as the global merge below. Every split's piece of an output
+    // float4 is in flight at once (one DSMEM round trip per row slice, not one per split).
     namespace cg = cooperative_groups;
     cg::cluster_group cl = cg::this_cluster();
+    if (KS > 1) {  // the key parts' planes summed into plane 0 first (in part order, as `summed`)
+      for (int i = tid; i < R * 16 * 128; i += kThreads) {
+        float v = fin[i];
+        for (int k = 1; k < KS; ++k) v += fin[k * plane + i];
+        fin[i] = v;
+      }
+    }
     cl.sync();
     const int r0 = int(int64_t(split) * rows / splits), r1 = int(int64_t(split + 1) * rows / splits);
+    float2* merged = part_ml;  // this CTA's merged (m, l) per row (part_ml is local; row_ml is read remotely)
     for (int row = r0 + warp; row < r1; row += kWarps) {
-      // Lane s holds split s's weight.
-      float2 ml = make_float2(-INFINITY, 0.f);
-      if (lane < splits) ml = cl.map_shared_rank(row_ml, lane)[row];
+      // Lane s holds split s's (m, l) and weight.
+      const float2 ml = lane < splits ? cl.map_shared_rank(row_ml, lane)[row] : make_float2(-INFINITY, 0.f);
       float m = ml.x;
       for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, o));
       const float w = lane < splits && ml.x != -INFINITY ? exp2f(ml.x - m) : 0.f;
       float l = 0.f;
       for (int s2 = 0; s2 < splits; ++s2) l += __shfl_sync(kFull, w, s2) * __shfl_sync(kFull, ml.y, s2);
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};  // columns 2 lane, 2 lane + 1, 64 + 2 lane, 65 + 2 lane
-      for (int s2 = 0; s2 < splits; ++s2) {
-        const float ws = __shfl_sync(kFull, w, s2);
-        if (ws == 0.f) continue;  // an empty split (weight 0) adds nothing (uniform over the warp)
-        const float* rf = cl.map_shared_rank(fin, s2);
+      if (lane < splits) split_w[lane * L.rows + row] = w;
+      if (lane == 0) merged[row] = make_float2(m, l);
+    }
+    __syncthreads();
+    for (int it = tid; it < (r1 - r0) * 32; it += kThreads) {
+      const int row = r0 + it / 32, c4 = (it % 32) * 4;
+      // fin_index keeps an aligned group of 4 columns together, permuted by the low 2 bits of the
+      // XOR: column c4 + e sits at element e ^ (x & 3) of the float4.
+      const int x = (row & 7) | (((c4 >> 5) & 3) << 3), at = row * 128 + ((c4 ^ x) & ~3), sw = x & 3;
+      float4 v[kMaxSplits];
 #pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          const int c0 = 64 * q + 2 * lane;
-          float v0 = 0.f, v1 = 0.f;
-          for (int k = 0; k < KS; ++k) {
-            v0 += rf[k * plane + fin_index(row, c0)];
-            v1 += rf[k * plane + fin_index(row, c0 + 1)];
-          }
-          acc[2 * q] += v0 * ws;
-          acc[2 * q + 1] += v1 * ws;
+      for (int s2 = 0; s2 < kMaxSplits; ++s2)
+        if (s2 < splits) v[s2] = *reinterpret_cast<const float4*>(cl.map_shared_rank(fin, s2) + at);
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int s2 = 0; s2 < kMaxSplits; ++s2) {
+        const float ws = s2 < splits ? split_w[s2 * L.rows + row] : 0.f;
+        if (ws != 0.f) {  // an empty split (weight 0) adds nothing
+          acc[0] += v[s2].x * ws;
+          acc[1] += v[s2].y * ws;
+          acc[2] += v[s2].z * ws;
+          acc[3] += v[s2].w * ws;
         }
       }
-      write_row(row, m, l, [&](int col) {  // selects, not an index: acc stays in registers
-        return col >= 64 ? (col & 1 ? acc[3] : acc[2]) : (col & 1 ? acc[1] : acc[0]);
-      });
+      const float2 ml = merged[row];
+      const int64_t t = gr.tok0 + row / G;
+      const int h = kv_head * G + row % G;
+      const float inv = ml.y == 0.f ? 0.f : v_scale / ml.y;  // a row without keys writes 0
+      float o[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {  // selects, not an index: acc stays in registers
+        const int j = e ^ sw;
+        const float a = j == 0 ? acc[0] : j == 1 ? acc[1] : j == 2 ? acc[2] : acc[3];
+        o[e] = ml.y == 0.f ? 0.f : a * inv;
+      }
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(o[0], o[1]), hi = __floats2bfloat162_rn(o[2], o[3]);
+      uint2 packed;
+      packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+      packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+      *reinterpret_cast<uint2*>(p.out + t * p.out_stride_t + int64_t(h) * p.out_stride_h + c4) = packed;
+      if (p.lse && c4 == 0) p.lse[t * p.lse_stride_t + h] = ml.y == 0.f ? -INFINITY : (ml.x + log2f(ml.y)) * kLn2;
     }
     cl.sync();
     return;
@@ -873,8 +902,9 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
 // per SM pack into GPCs: more than fit would run in a second wave). Cached per (device, kernel,
 // smem, splits, clusters). M3RT_MSA_CLUSTER=0 keeps the global-memory merge (benchmarks).
 bool cluster_merge_fits(const KernelConfig& cfg, dim3 grid, int splits, int rows) {
-  if (splits > 16 || rows <= 64) return false;
-  if (const char* env = std::getenv("M3RT_MSA_CLUSTER"); env && std::string(env) == "0") return false;
+  const char* env = std::getenv("M3RT_MSA_CLUSTER");
+  if (env && std::string(env) == "0") return false;
+  if (splits > 16 || (rows <= 64 && !(env && std::string(env) == "1"))) return false;
   int dev = 0, major = 0;
   M3RT_CUDA_CHECK(cudaGetDevice(&dev));
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
@@ -918,27 +948,39 @@ bool cluster_merge_fits(const KernelConfig& cfg, dim3 grid, int splits, int rows
 
 void msa_force_baseline(bool on) { g_force_baseline = on; }
 
-int msa_decode_splits(int batch, int dql, int num_heads, int num_kv_heads, int topk, int max_blocks) {
-  const int G = num_heads / num_kv_heads, tg = msa_group_tokens(G, dql);
-  const int64_t pairs = msa_decode_groups(batch, dql, G) * num_kv_heads;
-  if (pairs == 0) return 1;
+MsaDecodeGeometry msa_decode_geometry(int batch, int dql, int num_heads, int num_kv_heads, int topk, int max_blocks) {
+  const int G = num_heads / num_kv_heads, sms = detail::multiprocessor_count();
+  auto pairs = [&](int tg) { return msa_decode_groups(batch, dql, tg) * num_kv_heads; };
+  auto cap = [&](int tg) { return std::min<int64_t>(2 * int64_t(std::min(tg * topk, max_blocks)), kMaxSplits); };
+  MsaDecodeGeometry geo;
+  geo.group_tokens = msa_group_tokens(G, dql);
+  // Smaller groups while the grid at the most splits still fits one CTA per SM (H200, the drafter's
+  // 7-token blocks at batch 1: 112-row groups on 64 CTAs vs 64- and 48-row groups on 128).
+  while (geo.group_tokens > 1) {
+    const int half = (geo.group_tokens + 1) / 2;
+    if (pairs(half) * cap(half) > sms) break;
+    geo.group_tokens = half;
+  }
+  if (const char* env = std::getenv("M3RT_MSA_GROUP_TOKENS"); env && *env)  // tuning knob for benches
+    geo.group_tokens = std::clamp(std::atoi(env), 1, msa_group_tokens(G, dql));
+  if (pairs(geo.group_tokens) == 0) return geo;
   // One CTA per SM: more splits add a merge and a per-CTA start-up cost that outweigh the second
   // CTA an SM could hold (H200, M3 shapes: batch 32 at 1 split 47 us vs 2 splits 51 us; batch 1
   // at 16 splits 19 us vs 1 split 45 us).
-  const int64_t chunks = 2 * int64_t(std::min(tg * topk, max_blocks));
-  const int64_t cap = std::min<int64_t>(chunks, kMaxSplits);
-  int64_t splits = std::clamp<int64_t>(detail::multiprocessor_count() / pairs, 1, cap);
+  const int64_t c = cap(geo.group_tokens);
+  geo.splits = int(std::clamp<int64_t>(sms / pairs(geo.group_tokens), 1, c));
   if (const char* env = std::getenv("M3RT_MSA_SPLITS"); env && *env)  // tuning knob for benches
-    splits = std::clamp<int64_t>(std::atoll(env), 1, cap);
-  return int(splits);
+    geo.splits = int(std::clamp<int64_t>(std::atoll(env), 1, c));
+  return geo;
 }
 
 void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   if (p.num_tokens == 0) return;
   if (g_force_baseline) return msa_attention_baseline_launch(p, stream);
-  const int G = p.num_heads / p.num_kv_heads, tg = msa_group_tokens(G, p.decode_query_len);
+  const int G = p.num_heads / p.num_kv_heads;
+  const int tg = p.group_tokens > 0 ? p.group_tokens : msa_group_tokens(G, p.decode_query_len);
   const int64_t groups =
-      p.cu_seqlens_q ? p.num_tokens / tg + p.num_seqs : msa_decode_groups(p.num_seqs, p.decode_query_len, G);
+      p.cu_seqlens_q ? p.num_tokens / tg + p.num_seqs : msa_decode_groups(p.num_seqs, p.decode_query_len, tg);
   const int splits = std::max(1, p.num_splits);
   if (groups > 0x7fffffff || p.num_kv_heads > 65535)
     throw_arg_error("msa_attention", "q.shape", std::to_string(p.num_tokens) + " tokens",
@@ -947,9 +989,10 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
     throw Error("msa_attention: split decode without its scratch (internal)");
   const KernelConfig cfg = kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, groups * p.num_kv_heads * splits);
   const dim3 grid(unsigned(groups), unsigned(p.num_kv_heads), unsigned(splits));
+  MsaParams q = p;
+  if (const char* env = std::getenv("M3RT_MSA_KEY_PARTS"); env && *env) q.max_key_parts = std::atoi(env);  // benches
   if (splits > 1 && cluster_merge_fits(cfg, grid, splits, msa_group_rows(G, tg))) {
     // Split decode on Hopper: each group's splits form one cluster and merge through DSMEM.
-    MsaParams q = p;
     q.cluster = 1;
     cudaLaunchConfig_t lc{};
     lc.gridDim = grid;
@@ -963,7 +1006,7 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
     lc.numAttrs = 1;
     M3RT_CUDA_CHECK(cudaLaunchKernelEx(&lc, cfg.fn, q, cfg.stages));
   } else {
-    cfg.fn<<<grid, cfg.threads, cfg.smem, stream>>>(p, cfg.stages);
+    cfg.fn<<<grid, cfg.threads, cfg.smem, stream>>>(q, cfg.stages);
   }
   M3RT_LAUNCH_CHECK(stream, "msa_sparse_kernel");
 }

@@ -147,9 +147,7 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
   struct Case {
     int B, ctx, dql;
   };
-  auto plan_splits = [](const Case& c) {
-    return msa_decode_geometry(c.B, c.dql, kHq, kHkv, kTopk, c.ctx / kPageTokens).splits;
-  };
+  auto plan_splits = [](const Case& c) { return msa_decode_splits(c.B, c.dql, kHq, kHkv, kTopk, c.ctx / kPageTokens); };
   std::vector<Case> decode_cases;
   for (int ctx : env.quick ? std::vector<int>{32768} : std::vector<int>{32768, 131072})
     for (int B : env.quick ? std::vector<int>{1, 32} : std::vector<int>{1, 32, 128})
@@ -179,10 +177,8 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
       r.gbps = r.bytes / (r.us * 1e3);
       r.pct_ceiling = 100.0 * r.gbps / env.copy_gbps;
       r.note = std::to_string(plan_splits(c)) + " splits";
-      if (c.B == 1 && c.ctx == 32768 && !env.quick) {  // batch 1: the work split and merge, same run
-        for (const auto& [name, var, val] : {std::tuple<const char*, const char*, const char*>{"key parts 1", "M3RT_MSA_KEY_PARTS", "1"},
-                                             {"key parts 2", "M3RT_MSA_KEY_PARTS", "2"},
-                                             {"cluster merge", "M3RT_MSA_CLUSTER", "1"}}) {
+      if (c.B == 1 && c.ctx == 32768 && !env.quick) {  // batch 1: the split merge in global memory, same run
+        for (const auto& [name, var, val] : {std::tuple<const char*, const char*, const char*>{"global merge", "M3RT_MSA_CLUSTER", "0"}}) {
           setenv(var, val, 1);
           MsaDecodePlan alt({c.B, c.dql, kHq, kHkv, kTopk, nb, kd}, Device::cuda());
           auto alt_call = [&](int s, CUstream_st* st) {
@@ -240,8 +236,8 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
 // The drafter's attention (src/model: the draft block of 7 tokens attends non-causally to its
 // request's context in a 4096-key window, every block of the window listed, topk 64): B requests of
 // 8192 cached tokens + the block, Hq 64 / Hkv 4 (112-row groups), bf16 cache. Rows: the plan's
-// default, other split counts (M3RT_MSA_SPLITS) and the global-memory merge (M3RT_MSA_CLUSTER=0),
-// each a graph replay with inputs rotated beyond L2.
+// default (cluster merge), the global-memory merge (M3RT_MSA_CLUSTER=0) and 8 splits
+// (M3RT_MSA_SPLITS), each a graph replay with inputs rotated beyond L2.
 std::vector<BenchRow> bench_msa_attention_draft(BenchEnv& env) {
   constexpr int N = 7, K = kMsaMaxTopk, window = 4096, ctx = 8192;
   const int seq = ctx + N, first = (ctx - window + 1) / kPageTokens, last = (seq - 1) / kPageTokens;
@@ -279,22 +275,16 @@ std::vector<BenchRow> bench_msa_attention_draft(BenchEnv& env) {
     const MsaMask mask{.causal = false, .window_left = window};
     struct Variant {
       const char* name;
-      const char* tokens;   // M3RT_MSA_GROUP_TOKENS, nullptr: the plan's default
-      const char* splits;   // M3RT_MSA_SPLITS
-      const char* cluster;  // M3RT_MSA_CLUSTER: "0" global merge, "1" cluster also for <= 64 rows
+      const char* splits;   // M3RT_MSA_SPLITS, nullptr: the plan's default
+      const char* cluster;  // M3RT_MSA_CLUSTER "0": the global-memory merge
     };
-    for (const Variant& v : {Variant{"default", nullptr, nullptr, nullptr},
-                             Variant{"7-token groups", "7", nullptr, nullptr},
-                             Variant{"7-token groups, global merge", "7", nullptr, "0"},
-                             Variant{"cluster merge", nullptr, nullptr, "1"},
-                             Variant{"global merge", nullptr, nullptr, "0"},
-                             Variant{"splits 8", nullptr, "8", nullptr}}) {
+    for (const Variant& v : {Variant{"default", nullptr, nullptr}, Variant{"global merge", nullptr, "0"},
+                             Variant{"splits 8", "8", nullptr}}) {
       if (env.quick && std::string(v.name) != "default") continue;
-      if (v.tokens) setenv("M3RT_MSA_GROUP_TOKENS", v.tokens, 1);
       if (v.splits) setenv("M3RT_MSA_SPLITS", v.splits, 1);
       if (v.cluster) setenv("M3RT_MSA_CLUSTER", v.cluster, 1);
       MsaDecodePlan plan({B, N, kHq, kHkv, K, nb, KvCacheDtype::kAuto}, Device::cuda());
-      const MsaDecodeGeometry geo = msa_decode_geometry(B, N, kHq, kHkv, K, nb);
+      const int splits = msa_decode_splits(B, N, kHq, kHkv, K, nb);
       auto call = [&](int s, CUstream_st* stream) {
         const Set& st = sv[size_t(s)];
         plan.run({.q = st.q, .cache = {st.cache, KvCacheDtype::kAuto, ks, vs}, .topk = st.topk_view,
@@ -308,10 +298,9 @@ std::vector<BenchRow> bench_msa_attention_draft(BenchEnv& env) {
       r.bytes = bytes;
       r.gbps = bytes / (r.us * 1e3);
       r.pct_ceiling = 100.0 * r.gbps / env.copy_gbps;
-      r.note = std::to_string(geo.group_tokens) + "-token groups, " + std::to_string(geo.splits) + " splits, " +
-               std::to_string(span) + " pages per (request, KV head)";
+      r.note = std::to_string(splits) + " splits, " + std::to_string(span) + " pages per (request, KV head)";
       rows.push_back(r);
-      for (const char* var : {"M3RT_MSA_GROUP_TOKENS", "M3RT_MSA_SPLITS", "M3RT_MSA_CLUSTER"}) unsetenv(var);
+      for (const char* var : {"M3RT_MSA_SPLITS", "M3RT_MSA_CLUSTER"}) unsetenv(var);
     }
   }
   return rows;

@@ -175,7 +175,7 @@ std::string MsaDecodePlan::validate(const MsaDecodeShape& s) {
 }
 
 struct MsaDecodePlan::Scratch {
-  int splits = 1, group_tokens = 0;
+  int splits = 1;
   Tensor part_o, part_ml, counters;
 };
 
@@ -189,13 +189,11 @@ MsaDecodePlan::MsaDecodePlan(const MsaDecodeShape& shape, Device device)
   detail::DeviceGuard guard(device.index);
   const MsaDecodeShape& s = shape;
   const int G = s.num_heads / s.num_kv_heads;
-  const MsaDecodeGeometry geo =
-      msa_decode_geometry(s.batch, s.decode_query_len, s.num_heads, s.num_kv_heads, s.topk, s.max_blocks);
-  scratch_->splits = geo.splits;
-  scratch_->group_tokens = geo.group_tokens;
+  scratch_->splits =
+      msa_decode_splits(s.batch, s.decode_query_len, s.num_heads, s.num_kv_heads, s.topk, s.max_blocks);
   if (scratch_->splits > 1) {
-    const int64_t pairs = msa_decode_groups(s.batch, s.decode_query_len, geo.group_tokens) * s.num_kv_heads;
-    const int64_t rows = msa_group_rows(G, geo.group_tokens);
+    const int64_t pairs = msa_decode_groups(s.batch, s.decode_query_len, G) * s.num_kv_heads;
+    const int64_t rows = msa_group_rows(G, msa_group_tokens(G, s.decode_query_len));
     scratch_->part_o = Tensor::empty({pairs * scratch_->splits * rows, kHeadDim}, DType::kFloat32, device);
     scratch_->part_ml = Tensor::empty({pairs * scratch_->splits * rows, 2}, DType::kFloat32, device);
     scratch_->counters = Tensor::empty({pairs}, DType::kInt32, device);
@@ -231,7 +229,6 @@ void MsaDecodePlan::run(const MsaDecodeArgs& a, stream_t stream) {
              kv_cache_dtype_name(s.kv_cache_dtype));
   if (p.num_tokens == 0) return;
   p.decode_query_len = s.decode_query_len;
-  p.group_tokens = scratch_->group_tokens;
   if (scratch_->splits > 1) {
     p.num_splits = scratch_->splits;
     p.part_o = scratch_->part_o.ptr<float>();

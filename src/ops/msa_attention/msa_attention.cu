@@ -395,14 +395,97 @@ __device__ __forceinline__ int fin_index(int row, int col) {
   return row * 128 + (col ^ ((row & 7) | (((col >> 5) & 3) << 3)));
 }
 
+#if __CUDA_ARCH__ >= 900
+// The split merge of a cluster (split decode on Hopper): CTA `split` merges rows [split * rows / S,
+// (split + 1) * rows / S) reading every split's (m, l) and weighted output plane (plane 0 of `fin`)
+// from its shared memory (DSMEM), in split order: the same arithmetic as the global merge. Every
+// split's piece of an output float4 is in flight at once (one DSMEM round trip per row slice, not
+// one per split). Only the kernel instances launched as clusters contain it: the others keep the
+// register allocation and schedule they have without it (with this code inlined into every
+// instance, the 8-warp kernel measured 16-20% slower on verify and prefill).
+struct ClusterMergeArgs {
+  const float2* row_ml;  // [rows] this CTA's (m, l) per row, read by every CTA of the cluster
+  float2* merged;        // [rows] local scratch: the merged (m, l)
+  const float* fin;      // this CTA's weighted output rows (fin_index layout)
+  float* split_w;        // [kMaxSplits][rows_cap] local scratch: each split's weight per row
+  uint16_t* out;
+  int64_t out_stride_t, out_stride_h;
+  float* lse;
+  int64_t lse_stride_t, tok0;
+  int rows, rows_cap, splits, split, G, head0;
+  float v_scale;
+};
+
+template <int kThreads>
+__device__ __forceinline__ void cluster_merge(const ClusterMergeArgs& a) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cl = cg::this_cluster();
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  cl.sync();
+  const int r0 = int(int64_t(a.split) * a.rows / a.splits), r1 = int(int64_t(a.split + 1) * a.rows / a.splits);
+  for (int row = r0 + warp; row < r1; row += kThreads / 32) {
+    // Lane s holds split s's (m, l) and weight.
+    const float2 ml = lane < a.splits ? cl.map_shared_rank(a.row_ml, lane)[row] : make_float2(-INFINITY, 0.f);
+    float m = ml.x;
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, o));
+    const float w = lane < a.splits && ml.x != -INFINITY ? exp2f(ml.x - m) : 0.f;
+    float l = 0.f;
+    for (int s = 0; s < a.splits; ++s) l += __shfl_sync(kFull, w, s) * __shfl_sync(kFull, ml.y, s);
+    if (lane < a.splits) a.split_w[lane * a.rows_cap + row] = w;
+    if (lane == 0) a.merged[row] = make_float2(m, l);
+  }
+  __syncthreads();
+  for (int it = tid; it < (r1 - r0) * 32; it += kThreads) {
+    const int row = r0 + it / 32, c4 = (it % 32) * 4;
+    // fin_index keeps an aligned group of 4 columns together, permuted by the low 2 bits of its
+    // XOR: column c4 + e sits at element e ^ (x & 3) of the float4.
+    const int x = (row & 7) | (((c4 >> 5) & 3) << 3), at = row * 128 + ((c4 ^ x) & ~3), sw = x & 3;
+    float4 v[kMaxSplits];
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s)
+      if (s < a.splits) v[s] = *reinterpret_cast<const float4*>(cl.map_shared_rank(a.fin, s) + at);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) {
+      const float ws = s < a.splits ? a.split_w[s * a.rows_cap + row] : 0.f;
+      if (ws != 0.f) {  // an empty split (weight 0) adds nothing
+        acc[0] += v[s].x * ws;
+        acc[1] += v[s].y * ws;
+        acc[2] += v[s].z * ws;
+        acc[3] += v[s].w * ws;
+      }
+    }
+    const float2 ml = a.merged[row];
+    const int64_t t = a.tok0 + row / a.G;
+    const int h = a.head0 + row % a.G;
+    const float inv = ml.y == 0.f ? 0.f : a.v_scale / ml.y;  // a row without keys writes 0
+    float o[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {  // selects, not an index: acc stays in registers
+      const int j = e ^ sw;
+      const float val = j == 0 ? acc[0] : j == 1 ? acc[1] : j == 2 ? acc[2] : acc[3];
+      o[e] = ml.y == 0.f ? 0.f : val * inv;
+    }
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(o[0], o[1]), hi = __floats2bfloat162_rn(o[2], o[3]);
+    uint2 packed;
+    packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+    packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(a.out + t * a.out_stride_t + int64_t(h) * a.out_stride_h + c4) = packed;
+    if (a.lse && c4 == 0) a.lse[t * a.lse_stride_t + h] = ml.y == 0.f ? -INFINITY : (ml.x + log2f(ml.y)) * kLn2;
+  }
+  cl.sync();  // every CTA's planes stay alive until all have read them
+}
+#endif
+
 // kWarps: 4 (two CTAs per SM) for groups of at most 64 rows, else 8 (one 16-row tile per warp).
-template <bool kFp8, int kWarps>
+// kCluster: launched as clusters of the splits, which merge through DSMEM (split decode on sm_90+).
+template <bool kFp8, int kWarps, bool kCluster>
 __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
     msa_sparse_kernel(const __grid_constant__ MsaParams p, int stages) {
   constexpr int kThreads = kWarps * 32;
   extern __shared__ __align__(128) char smem[];
   const int G = p.num_heads / p.num_kv_heads;
-  const int tg = p.group_tokens > 0 ? p.group_tokens : msa_group_tokens(G, p.decode_query_len);
+  const int tg = msa_group_tokens(G, p.decode_query_len);
   const SmemLayout L = smem_layout(kFp8, stages, tg, G, p.topk_k, p.max_blocks, kWarps);
   char* area = smem;
   char* q_s = smem + L.q_off;
@@ -563,7 +646,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
   const int R = (rows + 15) / 16;
   const int CL = kWarps == 8 && R <= 4 ? 2 : 1;  // chunks per iteration
   const int lane_warps = kWarps / CL, lg = warp / lane_warps, w = warp % lane_warps;
-  const int KSg = min(lane_warps == 8 || R >= 3 ? 1 : (R == 2 ? 2 : 4), p.max_key_parts > 0 ? p.max_key_parts : 4);
+  const int KSg = lane_warps == 8 || R >= 3 ? 1 : (R == 2 ? 2 : 4);
   const int tile = w / KSg;
   const int KS = CL * KSg, kp = lg * KSg + w % KSg;  // output planes (key parts) and this warp's
   const int keys_per_part = kChunkKeys / KSg, key_base = (w % KSg) * keys_per_part;
@@ -706,13 +789,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
     return;
   }
 #if __CUDA_ARCH__ >= 900
-  if (p.cluster) {
-    // The splits are one thread-block cluster: each merges rows [split * rows / S, ...) reading
-    // every split's (m, l) and weighted output plane from its shared memory (DSMEM), in split
-    // order: the same arithmetic as the global merge below. Every split's piece of an output
-    // float4 is in flight at once (one DSMEM round trip per row slice, not one per split).
-    namespace cg = cooperative_groups;
-    cg::cluster_group cl = cg::this_cluster();
+  if constexpr (kCluster) {
     if (KS > 1) {  // the key parts' planes summed into plane 0 first (in part order, as `summed`)
       for (int i = tid; i < R * 16 * 128; i += kThreads) {
         float v = fin[i];
@@ -720,60 +797,11 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
         fin[i] = v;
       }
     }
-    cl.sync();
-    const int r0 = int(int64_t(split) * rows / splits), r1 = int(int64_t(split + 1) * rows / splits);
-    float2* merged = part_ml;  // this CTA's merged (m, l) per row (part_ml is local; row_ml is read remotely)
-    for (int row = r0 + warp; row < r1; row += kWarps) {
-      // Lane s holds split s's (m, l) and weight.
-      const float2 ml = lane < splits ? cl.map_shared_rank(row_ml, lane)[row] : make_float2(-INFINITY, 0.f);
-      float m = ml.x;
-      for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, o));
-      const float w = lane < splits && ml.x != -INFINITY ? exp2f(ml.x - m) : 0.f;
-      float l = 0.f;
-      for (int s2 = 0; s2 < splits; ++s2) l += __shfl_sync(kFull, w, s2) * __shfl_sync(kFull, ml.y, s2);
-      if (lane < splits) split_w[lane * L.rows + row] = w;
-      if (lane == 0) merged[row] = make_float2(m, l);
-    }
-    __syncthreads();
-    for (int it = tid; it < (r1 - r0) * 32; it += kThreads) {
-      const int row = r0 + it / 32, c4 = (it % 32) * 4;
-      // fin_index keeps an aligned group of 4 columns together, permuted by the low 2 bits of the
-      // XOR: column c4 + e sits at element e ^ (x & 3) of the float4.
-      const int x = (row & 7) | (((c4 >> 5) & 3) << 3), at = row * 128 + ((c4 ^ x) & ~3), sw = x & 3;
-      float4 v[kMaxSplits];
-#pragma unroll
-      for (int s2 = 0; s2 < kMaxSplits; ++s2)
-        if (s2 < splits) v[s2] = *reinterpret_cast<const float4*>(cl.map_shared_rank(fin, s2) + at);
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int s2 = 0; s2 < kMaxSplits; ++s2) {
-        const float ws = s2 < splits ? split_w[s2 * L.rows + row] : 0.f;
-        if (ws != 0.f) {  // an empty split (weight 0) adds nothing
-          acc[0] += v[s2].x * ws;
-          acc[1] += v[s2].y * ws;
-          acc[2] += v[s2].z * ws;
-          acc[3] += v[s2].w * ws;
-        }
-      }
-      const float2 ml = merged[row];
-      const int64_t t = gr.tok0 + row / G;
-      const int h = kv_head * G + row % G;
-      const float inv = ml.y == 0.f ? 0.f : v_scale / ml.y;  // a row without keys writes 0
-      float o[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {  // selects, not an index: acc stays in registers
-        const int j = e ^ sw;
-        const float a = j == 0 ? acc[0] : j == 1 ? acc[1] : j == 2 ? acc[2] : acc[3];
-        o[e] = ml.y == 0.f ? 0.f : a * inv;
-      }
-      const __nv_bfloat162 lo = __floats2bfloat162_rn(o[0], o[1]), hi = __floats2bfloat162_rn(o[2], o[3]);
-      uint2 packed;
-      packed.x = *reinterpret_cast<const uint32_t*>(&lo);
-      packed.y = *reinterpret_cast<const uint32_t*>(&hi);
-      *reinterpret_cast<uint2*>(p.out + t * p.out_stride_t + int64_t(h) * p.out_stride_h + c4) = packed;
-      if (p.lse && c4 == 0) p.lse[t * p.lse_stride_t + h] = ml.y == 0.f ? -INFINITY : (ml.x + log2f(ml.y)) * kLn2;
-    }
-    cl.sync();
+    ClusterMergeArgs m{.row_ml = row_ml, .merged = part_ml, .fin = fin, .split_w = split_w, .out = p.out,
+                       .out_stride_t = p.out_stride_t, .out_stride_h = p.out_stride_h, .lse = p.lse,
+                       .lse_stride_t = p.lse_stride_t, .tok0 = gr.tok0, .rows = rows, .rows_cap = L.rows,
+                       .splits = splits, .split = split, .G = G, .head0 = kv_head * G, .v_scale = v_scale};
+    cluster_merge<kThreads>(m);
     return;
   }
 #endif
@@ -852,7 +880,8 @@ bool g_force_baseline = false;
 // two CTAs per SM, their stages split accordingly (at least 2).
 using KernelFn = void (*)(MsaParams, int);
 struct KernelConfig {
-  KernelFn fn;
+  KernelFn fn;          // plain launches
+  KernelFn cluster_fn;  // the same kernel launched as clusters of the splits (merge through DSMEM)
   int threads, stages, smem;
 };
 
@@ -864,8 +893,13 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
   const bool lone = msa_group_rows(G, tg) > 64 || ctas <= detail::multiprocessor_count();
   const int warps = lone ? 8 : 4;
   KernelConfig cfg{};
-  if (fp8) cfg.fn = lone ? msa_sparse_kernel<true, 8> : msa_sparse_kernel<true, 4>;
-  else cfg.fn = lone ? msa_sparse_kernel<false, 8> : msa_sparse_kernel<false, 4>;
+  if (fp8) {
+    cfg.fn = lone ? msa_sparse_kernel<true, 8, false> : msa_sparse_kernel<true, 4, false>;
+    cfg.cluster_fn = lone ? msa_sparse_kernel<true, 8, true> : msa_sparse_kernel<true, 4, true>;
+  } else {
+    cfg.fn = lone ? msa_sparse_kernel<false, 8, false> : msa_sparse_kernel<false, 4, false>;
+    cfg.cluster_fn = lone ? msa_sparse_kernel<false, 8, true> : msa_sparse_kernel<false, 4, true>;
+  }
   cfg.threads = warps * 32;
   const SmemLayout base = smem_layout(fp8, 0, tg, G, topk, max_blocks, warps);
   const int fixed = base.total - base.q_off;
@@ -886,25 +920,27 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
   static std::mutex mu;
   static std::vector<Raised> raised;
   const std::lock_guard<std::mutex> lock(mu);
-  auto it = std::find_if(raised.begin(), raised.end(),
-                         [&](const Raised& r) { return r.dev == dev && r.fn == cfg.fn; });
-  if (it == raised.end() || it->smem < cfg.smem) {
-    M3RT_CUDA_CHECK(cudaFuncSetAttribute(cfg.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, cfg.smem));
-    if (it == raised.end()) raised.push_back({dev, cfg.fn, cfg.smem});
-    else it->smem = cfg.smem;
+  for (KernelFn fn : {cfg.fn, cfg.cluster_fn}) {
+    auto it = std::find_if(raised.begin(), raised.end(), [&](const Raised& r) { return r.dev == dev && r.fn == fn; });
+    if (it == raised.end() || it->smem < cfg.smem) {
+      M3RT_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, cfg.smem));
+      if (it == raised.end()) raised.push_back({dev, fn, cfg.smem});
+      else it->smem = cfg.smem;
+    }
   }
   return cfg;
 }
 
-// Whether a split decode merges through a cluster: sm_90+, groups of more than 64 rows (a merge
-// of 16 rows is cheap in global memory: H200, batch 1, 16 rows, 16 splits: 15.8 us global vs 26.6
-// us cluster), at most 16 splits, and every group's cluster resident at once (clusters of 1 CTA
-// per SM pack into GPCs: more than fit would run in a second wave). Cached per (device, kernel,
-// smem, splits, clusters). M3RT_MSA_CLUSTER=0 keeps the global-memory merge (benchmarks).
-bool cluster_merge_fits(const KernelConfig& cfg, dim3 grid, int splits, int rows) {
+// Whether a split decode merges through a cluster: sm_90+, at most 16 splits, and every group's
+// cluster resident at once (clusters of 1 CTA per SM pack into GPCs: more than fit would run in a
+// second wave). With every split's piece in flight at once the cluster merge beats the global one
+// at every group size measured (H200, batch 1, 16 rows, 16 splits: 12.3 vs 15.7 us; it lost, 26.6
+// vs 15.8 us, while it read the splits one after another). Cached per (device, kernel, smem,
+// splits, clusters). M3RT_MSA_CLUSTER=0 keeps the global-memory merge (benchmarks).
+bool cluster_merge_fits(const KernelConfig& cfg, dim3 grid, int splits) {
   const char* env = std::getenv("M3RT_MSA_CLUSTER");
   if (env && std::string(env) == "0") return false;
-  if (splits > 16 || (rows <= 64 && !(env && std::string(env) == "1"))) return false;
+  if (splits > 16) return false;
   int dev = 0, major = 0;
   M3RT_CUDA_CHECK(cudaGetDevice(&dev));
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
@@ -921,10 +957,10 @@ bool cluster_merge_fits(const KernelConfig& cfg, dim3 grid, int splits, int rows
   static std::vector<Known> known;
   const std::lock_guard<std::mutex> lock(mu);
   for (const Known& k : known)
-    if (k.dev == dev && k.fn == cfg.fn && k.smem == cfg.smem && k.splits == splits && k.clusters == needed)
+    if (k.dev == dev && k.fn == cfg.cluster_fn && k.smem == cfg.smem && k.splits == splits && k.clusters == needed)
       return k.fits;
   bool fits = true;
-  if (splits > 8 && cudaFuncSetAttribute(cfg.fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
+  if (splits > 8 && cudaFuncSetAttribute(cfg.cluster_fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
     fits = false;
   if (fits) {
     cudaLaunchConfig_t lc{};
@@ -937,10 +973,10 @@ bool cluster_merge_fits(const KernelConfig& cfg, dim3 grid, int splits, int rows
     lc.attrs = &attr;
     lc.numAttrs = 1;
     int clusters = 0;
-    fits = cudaOccupancyMaxActiveClusters(&clusters, cfg.fn, &lc) == cudaSuccess && clusters >= needed;
+    fits = cudaOccupancyMaxActiveClusters(&clusters, cfg.cluster_fn, &lc) == cudaSuccess && clusters >= needed;
   }
   (void)cudaGetLastError();  // a refused query is an answer, not an error for the next launch
-  known.push_back({dev, cfg.fn, cfg.smem, splits, needed, fits});
+  known.push_back({dev, cfg.cluster_fn, cfg.smem, splits, needed, fits});
   return fits;
 }
 
@@ -948,39 +984,27 @@ bool cluster_merge_fits(const KernelConfig& cfg, dim3 grid, int splits, int rows
 
 void msa_force_baseline(bool on) { g_force_baseline = on; }
 
-MsaDecodeGeometry msa_decode_geometry(int batch, int dql, int num_heads, int num_kv_heads, int topk, int max_blocks) {
-  const int G = num_heads / num_kv_heads, sms = detail::multiprocessor_count();
-  auto pairs = [&](int tg) { return msa_decode_groups(batch, dql, tg) * num_kv_heads; };
-  auto cap = [&](int tg) { return std::min<int64_t>(2 * int64_t(std::min(tg * topk, max_blocks)), kMaxSplits); };
-  MsaDecodeGeometry geo;
-  geo.group_tokens = msa_group_tokens(G, dql);
-  // Smaller groups while the grid at the most splits still fits one CTA per SM (H200, the drafter's
-  // 7-token blocks at batch 1: 112-row groups on 64 CTAs vs 64- and 48-row groups on 128).
-  while (geo.group_tokens > 1) {
-    const int half = (geo.group_tokens + 1) / 2;
-    if (pairs(half) * cap(half) > sms) break;
-    geo.group_tokens = half;
-  }
-  if (const char* env = std::getenv("M3RT_MSA_GROUP_TOKENS"); env && *env)  // tuning knob for benches
-    geo.group_tokens = std::clamp(std::atoi(env), 1, msa_group_tokens(G, dql));
-  if (pairs(geo.group_tokens) == 0) return geo;
+int msa_decode_splits(int batch, int dql, int num_heads, int num_kv_heads, int topk, int max_blocks) {
+  const int G = num_heads / num_kv_heads, tg = msa_group_tokens(G, dql);
+  const int64_t pairs = msa_decode_groups(batch, dql, G) * num_kv_heads;
+  if (pairs == 0) return 1;
   // One CTA per SM: more splits add a merge and a per-CTA start-up cost that outweigh the second
   // CTA an SM could hold (H200, M3 shapes: batch 32 at 1 split 47 us vs 2 splits 51 us; batch 1
   // at 16 splits 19 us vs 1 split 45 us).
-  const int64_t c = cap(geo.group_tokens);
-  geo.splits = int(std::clamp<int64_t>(sms / pairs(geo.group_tokens), 1, c));
+  const int64_t chunks = 2 * int64_t(std::min(tg * topk, max_blocks));
+  const int64_t cap = std::min<int64_t>(chunks, kMaxSplits);
+  int64_t splits = std::clamp<int64_t>(detail::multiprocessor_count() / pairs, 1, cap);
   if (const char* env = std::getenv("M3RT_MSA_SPLITS"); env && *env)  // tuning knob for benches
-    geo.splits = int(std::clamp<int64_t>(std::atoll(env), 1, c));
-  return geo;
+    splits = std::clamp<int64_t>(std::atoll(env), 1, cap);
+  return int(splits);
 }
 
 void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   if (p.num_tokens == 0) return;
   if (g_force_baseline) return msa_attention_baseline_launch(p, stream);
-  const int G = p.num_heads / p.num_kv_heads;
-  const int tg = p.group_tokens > 0 ? p.group_tokens : msa_group_tokens(G, p.decode_query_len);
+  const int G = p.num_heads / p.num_kv_heads, tg = msa_group_tokens(G, p.decode_query_len);
   const int64_t groups =
-      p.cu_seqlens_q ? p.num_tokens / tg + p.num_seqs : msa_decode_groups(p.num_seqs, p.decode_query_len, tg);
+      p.cu_seqlens_q ? p.num_tokens / tg + p.num_seqs : msa_decode_groups(p.num_seqs, p.decode_query_len, G);
   const int splits = std::max(1, p.num_splits);
   if (groups > 0x7fffffff || p.num_kv_heads > 65535)
     throw_arg_error("msa_attention", "q.shape", std::to_string(p.num_tokens) + " tokens",
@@ -989,11 +1013,8 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
     throw Error("msa_attention: split decode without its scratch (internal)");
   const KernelConfig cfg = kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, groups * p.num_kv_heads * splits);
   const dim3 grid(unsigned(groups), unsigned(p.num_kv_heads), unsigned(splits));
-  MsaParams q = p;
-  if (const char* env = std::getenv("M3RT_MSA_KEY_PARTS"); env && *env) q.max_key_parts = std::atoi(env);  // benches
-  if (splits > 1 && cluster_merge_fits(cfg, grid, splits, msa_group_rows(G, tg))) {
+  if (splits > 1 && cluster_merge_fits(cfg, grid, splits)) {
     // Split decode on Hopper: each group's splits form one cluster and merge through DSMEM.
-    q.cluster = 1;
     cudaLaunchConfig_t lc{};
     lc.gridDim = grid;
     lc.blockDim = dim3(unsigned(cfg.threads));
@@ -1004,9 +1025,9 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
     attr.val.clusterDim.x = 1, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = unsigned(splits);
     lc.attrs = &attr;
     lc.numAttrs = 1;
-    M3RT_CUDA_CHECK(cudaLaunchKernelEx(&lc, cfg.fn, q, cfg.stages));
+    M3RT_CUDA_CHECK(cudaLaunchKernelEx(&lc, cfg.cluster_fn, p, cfg.stages));
   } else {
-    cfg.fn<<<grid, cfg.threads, cfg.smem, stream>>>(q, cfg.stages);
+    cfg.fn<<<grid, cfg.threads, cfg.smem, stream>>>(p, cfg.stages);
   }
   M3RT_LAUNCH_CHECK(stream, "msa_sparse_kernel");
 }

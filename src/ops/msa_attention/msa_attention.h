@@ -50,18 +50,15 @@ struct MsaParams {
   int num_splits;               // 0 or 1: no split
   float* part_o;                // [groups * Hkv * num_splits, msa_group_rows, 128] fp32
   float* part_ml;               // [groups * Hkv * num_splits, msa_group_rows, 2]: running max (log2), sum
-  int* counters;                // [groups * Hkv], zero between calls
-  int cluster;                  // set by the launch: the splits of a group are one cluster
-                                // (sm_90+) and merge through DSMEM (part_o etc. unused)
-  int group_tokens;             // decode: tokens per row group (MsaDecodePlan); 0: msa_group_tokens
-  int max_key_parts;            // > 0: at most this many warps split a chunk's keys (benchmarks)
+  int* counters;                // [groups * Hkv], zero between calls (unused by cluster launches,
+                                // whose splits merge through DSMEM)
 };
 
 // The tensor-core kernel's geometry (shared by the plan, which sizes the split scratch, and the
 // launcher). A CTA serves one row group: up to msa_group_tokens query tokens of one request (all
 // their G query heads, <= 128 rows) and one KV head.
-// Tokens per group at most: min(32, 128 / G), and at most dql in decode (dql 0: prefill); row
-// masks are 32-bit. Prefill uses it; a decode plan may take fewer (msa_decode_geometry).
+// Tokens per group: min(32, 128 / G), and at most dql in decode (dql 0: prefill); row masks are
+// 32-bit.
 M3RT_HOST_DEVICE inline int msa_group_tokens(int group_size, int decode_query_len) {
   const int t = 128 / group_size < 32 ? 128 / group_size : 32;
   return decode_query_len > 0 && decode_query_len < t ? decode_query_len : t;
@@ -72,21 +69,15 @@ M3RT_HOST_DEVICE inline int msa_group_rows(int group_size, int group_tokens) {
   return (group_tokens * group_size + 15) / 16 * 16;
 }
 // Row groups of a decode call: ceil(dql / group tokens) per request.
-M3RT_HOST_DEVICE inline int64_t msa_decode_groups(int batch, int decode_query_len, int group_tokens) {
-  return int64_t(batch) * ((decode_query_len + group_tokens - 1) / group_tokens);
+M3RT_HOST_DEVICE inline int64_t msa_decode_groups(int batch, int decode_query_len, int group_size) {
+  const int tg = msa_group_tokens(group_size, decode_query_len);
+  return int64_t(batch) * ((decode_query_len + tg - 1) / tg);
 }
-// How a decode shape is cut on the current device (chosen when a plan is built):
-//  - group_tokens: msa_group_tokens, halved while the grid at the most splits still fits one CTA per
-//    SM (small batches of long rows, e.g. the drafter's 7-token blocks: more CTAs, shorter chains);
-//  - splits per (row group, KV head): the CTAs of a row group share its pages and the last one (or
-//    the cluster) merges. About one CTA per SM, at most 16, never more than the pages' 64-key chunks;
-//    1: no split scratch.
-// The environment variables M3RT_MSA_GROUP_TOKENS and M3RT_MSA_SPLITS override them (benchmarks).
-struct MsaDecodeGeometry {
-  int group_tokens = 1, splits = 1;
-};
-MsaDecodeGeometry msa_decode_geometry(int batch, int decode_query_len, int num_heads, int num_kv_heads, int topk,
-                                      int max_blocks);
+// Splits per (row group, KV head) for a decode shape on the current device: the CTAs of a row group
+// share its pages and the last one merges. About one CTA per SM, at most 16, never more than the
+// pages' 64-key chunks; 1: no split scratch. The environment variable M3RT_MSA_SPLITS overrides it
+// (benchmark tuning).
+int msa_decode_splits(int batch, int decode_query_len, int num_heads, int num_kv_heads, int topk, int max_blocks);
 // Tests and benches: run the first (CUDA-core) kernel instead of the tensor-core one.
 void msa_force_baseline(bool on);
 // The baseline kernel's launcher (msa_attention_baseline.cu).

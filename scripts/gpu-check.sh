@@ -2,7 +2,8 @@
 # On a GPU machine: build, run every test (GPU ones included), `m3rt check` (also with the
 # sync-check switch), compute-sanitizer (memcheck, racecheck, initcheck, synccheck) on the GPU
 # checks and the graph test, then every benchmark. Logs go to $OUT (default /tmp/m3rt-gpu); a short
-# table is printed last. Exit status: non-zero if any step failed.
+# table is printed last. Exit status: non-zero if any step failed. SKIP_BENCH=1 stops before the
+# benchmarks (to split a run over two device calls: then `m3rt bench --json` alone).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/m3rt-gpu}
@@ -44,7 +45,7 @@ cuobjdump --dump-sass "$BUILD_DIR/libm3rt.so" 2>/dev/null | awk '
   keep && /^ +\/\*[0-9a-f]+\*\/ +[A-Z@]/ {op=$2; if (op ~ /^@/) op=$3; sub(/\..*/, "", op); count[name" "op]++; total[name]++}
   END {for (k in total) print "SASS", total[k], k; for (k in count) print "OP", count[k], k}' | sort -k2,2nr >>"$OUT/resource.txt"
 step draft-gpu draft.log "$BUILD_DIR/m3rt" draft --device cuda --requests 4 --temperature 0.8
-step bench bench.log "$BUILD_DIR/m3rt" bench --json "$OUT/bench.json" ${BENCH_ARGS:-}
+[ -n "${SKIP_BENCH:-}" ] || step bench bench.log "$BUILD_DIR/m3rt" bench --json "$OUT/bench.json" ${BENCH_ARGS:-}
 
 {
   echo
@@ -52,7 +53,7 @@ step bench bench.log "$BUILD_DIR/m3rt" bench --json "$OUT/bench.json" ${BENCH_AR
   grep -E "passed, [0-9]+ failed" "$OUT/check.log" | tail -2
   grep -E "ERROR SUMMARY" "$OUT/sanitizer.log" 2>/dev/null
   echo
-  sed -n '/^op /,$p' "$OUT/bench.log"
+  [ -f "$OUT/bench.log" ] && sed -n '/^op /,$p' "$OUT/bench.log"
   echo
   printf '%-20s %s\n' step result
   for i in "${!NAMES[@]}"; do printf '%-20s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}"; done

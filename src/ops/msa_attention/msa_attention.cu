@@ -26,7 +26,9 @@
 //     select the chunk are skipped.
 //  5. Key parts merge through shared memory in a fixed order; the group's (O, max, sum) either
 //     becomes the output (one split) or a partial in the plan's scratch, and the last split to
-//     arrive (a per-(group, KV head) counter that it resets) merges the splits in split order.
+//     arrive (a per-(group, KV head) counter that it resets) merges the splits in split order; on
+//     Hopper the splits of a group run as one cluster instead and merge through DSMEM
+//     (cluster_merge, in the kCluster instances only).
 // Everything is deterministic: replays give the same bits.
 //
 // Fragment maps (g = lane / 4, c = lane % 4). The dot product over the 128 dims and the sum over

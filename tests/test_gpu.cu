@@ -154,10 +154,17 @@ TEST(Gpu, Fp8QuantizerEqualsIeeeDivision) {
 
 // ------------------------------------------------------------------------------------------------
 // Copies host data into an existing device tensor (in place: graph captures keep the address).
+// Host -> device, landed when it returns (a pageable cudaMemcpy may return before its DMA ends,
+// and the tests' streams do not wait for the legacy stream).
 void upload(const Tensor& dst, const Tensor& src) {
   ASSERT_EQ(dst.nbytes(), src.nbytes());
   ASSERT_EQ(cudaMemcpy(dst.data(), src.data(), size_t(src.nbytes()), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
+
+// Tensor::fill_bytes is an asynchronous memset on the legacy stream, which the tests' non-blocking
+// streams do not wait for: settle it before launching on them.
+void settle() { ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess); }
 
 bool same_bytes(const Tensor& a, const Tensor& b) {
   Tensor ha = a.to(Device::cpu()), hb = b.to(Device::cpu());
@@ -259,6 +266,7 @@ TEST_P(GpuGraph, ReplayAfterInPlaceChangesMatchesEagerBitwise) {
     // Eager on fresh inputs ...
     c.refill();
     const Tensor qkv_in = c.qkv.to(Device::cpu());
+    settle();
     c.run(writer, s);
     CUDA_OK(cudaStreamSynchronize(s));
     const auto eager = c.snapshot();
@@ -266,6 +274,7 @@ TEST_P(GpuGraph, ReplayAfterInPlaceChangesMatchesEagerBitwise) {
     for (auto& cache : c.caches) cache.fill_bytes(0xFF);
     c.qk_cache.fill_bytes(0xFF);
     upload(c.qkv, qkv_in);
+    settle();
     CUDA_OK(cudaGraphLaunch(g.exec, s));
     CUDA_OK(cudaStreamSynchronize(s));
     const auto replay = c.snapshot();
@@ -379,11 +388,13 @@ TEST_P(GpuIndexerGraph, ReplayAfterInPlaceChangesMatchesEagerAndReference) {
   cudaStream_t s = g.stream;
   for (int round = 0; round < 4; ++round) {
     c.refill();
+    settle();
     c.run(gpu, s);
     CUDA_OK(cudaStreamSynchronize(s));
     const Tensor eager_d = c.dout.to(Device::cpu()), eager_p = c.pout.to(Device::cpu());
     c.dout.fill_bytes(0x7F);
     c.pout.fill_bytes(0x7F);
+    settle();
     CUDA_OK(cudaGraphLaunch(g.exec, s));
     CUDA_OK(cudaStreamSynchronize(s));
     EXPECT_TRUE(same_bytes(eager_d, c.dout)) << "decode, round " << round;
@@ -485,11 +496,13 @@ TEST_P(GpuMsaGraph, ReplayAfterInPlaceChangesMatchesEagerBitwise) {
   CapturedGraph graph(run);
   for (int round = 0; round < 3; ++round) {
     refill();
+    settle();
     run(graph.stream);
     CUDA_OK(cudaStreamSynchronize(graph.stream));
     const Tensor eager_out = out.to(Device::cpu()), eager_lse = lse.to(Device::cpu());
     out.fill_bytes(0xFF);
     lse.fill_bytes(0xFF);
+    settle();
     CUDA_OK(cudaGraphLaunch(graph.exec, graph.stream));
     CUDA_OK(cudaStreamSynchronize(graph.stream));
     EXPECT_TRUE(same_bytes(eager_out, out)) << "out, round " << round;

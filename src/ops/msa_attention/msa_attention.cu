@@ -962,7 +962,8 @@ bool cluster_merge_fits(const KernelConfig& cfg, dim3 grid, int splits) {
     if (k.dev == dev && k.fn == cfg.cluster_fn && k.smem == cfg.smem && k.splits == splits && k.clusters == needed)
       return k.fits;
   bool fits = true;
-  if (splits > 8 && cudaFuncSetAttribute(cfg.cluster_fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
+  if (splits > 8 &&
+      cudaFuncSetAttribute(cfg.cluster_fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
     fits = false;
   if (fits) {
     cudaLaunchConfig_t lc{};

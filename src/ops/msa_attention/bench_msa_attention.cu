@@ -133,6 +133,19 @@ std::vector<Batch> make_sets(std::mt19937_64& rng, bool fp8, int B, int ctx, int
   return out;
 }
 
+// Sets an environment variable (the plan's tuning knobs, M3RT_MSA_*) for a scope; nullptr: no-op.
+struct ScopedEnv {
+  const char* name;
+  ScopedEnv(const char* n, const char* value) : name(value ? n : nullptr) {
+    if (name) setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (name) unsetenv(name);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+};
+
 }  // namespace
 
 std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
@@ -162,11 +175,14 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
       const int sets = sets_beyond_l2(est, 8);
       std::vector<Batch> batch = make_sets(rng, fp8, c.B, c.ctx, c.dql, 0, sets);
       MsaDecodePlan plan({c.B, c.dql, kHq, kHkv, kTopk, nb, kd}, Device::cuda());
-      auto call = [&](int s, CUstream_st* st) {
-        const Batch& bt = batch[size_t(s)];
-        plan.run({.q = bt.q, .cache = {bt.cache, kd, ksd, vsd}, .topk = bt.topk_view, .seq_lens = bt.lens,
-                  .block_table = bt.table, .softmax_scale = scale, .out = bt.out}, st);
+      auto call_with = [&](MsaDecodePlan& plan_to_run) {
+        return [&, pl = &plan_to_run](int s, CUstream_st* st) {
+          const Batch& bt = batch[size_t(s)];
+          pl->run({.q = bt.q, .cache = {bt.cache, kd, ksd, vsd}, .topk = bt.topk_view, .seq_lens = bt.lens,
+                   .block_table = bt.table, .softmax_scale = scale, .out = bt.out}, st);
+        };
       };
+      const auto call = call_with(plan);
       BenchRow r;
       r.op = "msa_attention";
       r.variant = std::string(c.dql > 1 ? "verify dql8 " : "decode ") + (fp8 ? "fp8" : "bf16") + " B" +
@@ -177,17 +193,11 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
       r.pct_ceiling = 100.0 * r.gbps / env.copy_gbps;
       r.note = std::to_string(plan_splits(c)) + " splits";
       if (c.B == 1 && c.ctx == 32768 && !env.quick) {  // batch 1: the split merge in global memory, same run
-        setenv("M3RT_MSA_CLUSTER", "0", 1);
+        const ScopedEnv global_merge("M3RT_MSA_CLUSTER", "0");
         MsaDecodePlan alt({c.B, c.dql, kHq, kHkv, kTopk, nb, kd}, Device::cuda());
-        auto alt_call = [&](int s, CUstream_st* st) {
-          const Batch& bt = batch[size_t(s)];
-          alt.run({.q = bt.q, .cache = {bt.cache, kd, ksd, vsd}, .topk = bt.topk_view, .seq_lens = bt.lens,
-                   .block_table = bt.table, .softmax_scale = scale, .out = bt.out}, st);
-        };
         char b[64];
-        std::snprintf(b, sizeof b, "; global merge %.2f us", time_us(alt_call, sets, true, env));
+        std::snprintf(b, sizeof b, "; global merge %.2f us", time_us(call_with(alt), sets, true, env));
         r.note += b;
-        unsetenv("M3RT_MSA_CLUSTER");
       }
       rows.push_back(r);
       if (c.B == 32 && !env.quick) {  // the first (CUDA-core) kernel, timed in the same run
@@ -278,8 +288,7 @@ std::vector<BenchRow> bench_msa_attention_draft(BenchEnv& env) {
     for (const Variant& v : {Variant{"default", nullptr, nullptr}, Variant{"global merge", nullptr, "0"},
                              Variant{"splits 8", "8", nullptr}}) {
       if (env.quick && std::string(v.name) != "default") continue;
-      if (v.splits) setenv("M3RT_MSA_SPLITS", v.splits, 1);
-      if (v.cluster) setenv("M3RT_MSA_CLUSTER", v.cluster, 1);
+      const ScopedEnv splits_env("M3RT_MSA_SPLITS", v.splits), cluster_env("M3RT_MSA_CLUSTER", v.cluster);
       MsaDecodePlan plan({B, N, kHq, kHkv, K, nb, KvCacheDtype::kAuto}, Device::cuda());
       const int splits = msa_decode_splits(B, N, kHq, kHkv, K, nb);
       auto call = [&](int s, CUstream_st* stream) {
@@ -297,7 +306,6 @@ std::vector<BenchRow> bench_msa_attention_draft(BenchEnv& env) {
       r.pct_ceiling = 100.0 * r.gbps / env.copy_gbps;
       r.note = std::to_string(splits) + " splits, " + std::to_string(span) + " pages per (request, KV head)";
       rows.push_back(r);
-      for (const char* var : {"M3RT_MSA_SPLITS", "M3RT_MSA_CLUSTER"}) unsetenv(var);
     }
   }
   return rows;

@@ -28,6 +28,7 @@ echo "commit $COMMIT  $(date -u +%FT%TZ)" >>"$OUT/summary.txt"
 step build build.log bash -c "cmake -S . -B $BUILD_DIR -G Ninja -DCMAKE_BUILD_TYPE=Release -DM3RT_BUILD_TESTS=ON -DM3RT_GIT_COMMIT=$COMMIT && cmake --build $BUILD_DIR -j $(nproc)" || { cat "$OUT/build.log" | tail -40; exit 1; }
 step ctest ctest.log bash -c "cd $BUILD_DIR && ctest --output-on-failure -j 4"
 step check check.log "$BUILD_DIR/m3rt" check
+step check-mma-sync check.log env M3RT_MSA_WGMMA=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa
 step check-sync check.log env M3RT_SYNC_CHECK=1 "$BUILD_DIR/m3rt" check --device cuda
 if [ -n "$SAN" ]; then
   for tool in memcheck racecheck initcheck synccheck; do

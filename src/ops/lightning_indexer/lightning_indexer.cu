@@ -38,6 +38,7 @@
 #include "m3rt/error.h"
 #include "ops/common/head_math.cuh"
 #include "ops/common/mma.cuh"
+#include "ops/common/sm90.cuh"
 #include "ops/lightning_indexer/lightning_indexer.h"
 
 namespace m3rt {
@@ -47,9 +48,20 @@ using kernels::cp_async_16;
 using kernels::cp_async_commit;
 using kernels::cp_async_wait;
 using kernels::e4m3x2_to_f16x2;
+using kernels::bulk_copy_to_shared;
+using kernels::fence_proxy_async;
+using kernels::mbar_arrive;
+using kernels::mbar_arrive_expect_tx;
+using kernels::mbar_init;
+using kernels::mbar_wait;
 using kernels::kFullMask;
 using kernels::mma_16816;
 using kernels::smem_u32;
+using kernels::sw128_desc;
+using kernels::wgmma_commit;
+using kernels::wgmma_fence;
+using kernels::wgmma_m64n128k16;
+using kernels::wgmma_wait_all;
 
 constexpr int kPage = 128;      // tokens per index-cache page and per scored block
 constexpr int kWords = 16;      // 32-bit fragment words a lane holds for one 128-dim row
@@ -467,36 +479,6 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinBlocks)
 // ---- Hopper decode: pages by bulk copy into shared memory.
 constexpr int kDecodeStages = 3;
 
-[[maybe_unused]] __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-[[maybe_unused]] __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-[[maybe_unused]] __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-[[maybe_unused]] __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
-               : "memory");
-}
-[[maybe_unused]] __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(smem_u32(bar)), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-// Global -> shared bulk copy (16-byte aligned, size a multiple of 16), completing on `bar`.
-[[maybe_unused]] __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes,
-                                                                     uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   smem_u32(dst)),
-               "l"(src), "r"(bytes), "r"(smem_u32(bar))
-               : "memory");
-}
 
 template <bool kFp8>
 __host__ __device__ constexpr int decode_sm90_page_bytes() {
@@ -779,42 +761,6 @@ __host__ __device__ constexpr int sm90_smem_bytes() {
 // Byte offset of 16-byte chunk q (0..15) of key n in a swizzled page image.
 [[maybe_unused]] __device__ __forceinline__ int sw128_offset(int n, int q) {
   return (q / 8) * (kPage * 128) + n * 128 + (((q % 8) ^ (n & 7)) * 16);
-}
-
-// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart.
-[[maybe_unused]] __device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_addr) {
-  return uint64_t((smem_addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
-         (uint64_t(1) << 62);
-}
-
-[[maybe_unused]] __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-[[maybe_unused]] __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-[[maybe_unused]] __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-
-#define M3RT_WGMMA_M64N128K16(TYPE) \
-  asm volatile( \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n" \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
-      "{%64, %65, %66, %67}, %69, p, 1, 1, 0;\n}\n" \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(accumulate), "l"(desc));
-
-template <bool kFp8>
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
-  constexpr int accumulate = 1;
-  if constexpr (kFp8) {
-    M3RT_WGMMA_M64N128K16("f16");
-  } else {
-    M3RT_WGMMA_M64N128K16("bf16");
-  }
 }
 
 template <bool kFp8>

@@ -200,6 +200,11 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
         r.note += b;
       }
       rows.push_back(r);
+      if (c.dql > 1 && !fp8) {  // the mma.sync loop the wgmma one replaced on Hopper, same run
+        const ScopedEnv mma_sync("M3RT_MSA_WGMMA", "0");
+        MsaDecodePlan alt({c.B, c.dql, kHq, kHkv, kTopk, nb, kd}, Device::cuda());
+        rows.back().ratios.push_back({"vs mma.sync loop", time_us(call_with(alt), sets, true, env) / r.us});
+      }
       if (c.B == 32 && !env.quick) {  // the first (CUDA-core) kernel, timed in the same run
         msa_force_baseline(true);
         rows.back().ratios.push_back({"vs baseline kernel", time_us(call, sets, true, env) / r.us});
@@ -230,6 +235,10 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
       r.gbps = r.bytes / (r.us * 1e3);
       r.note = std::to_string(int(r.tflops)) + " TFLOP/s effective";
       rows.push_back(r);
+      if (!fp8) {  // the mma.sync loop the wgmma one replaced on Hopper, same run
+        const ScopedEnv mma_sync("M3RT_MSA_WGMMA", "0");
+        rows.back().ratios.push_back({"vs mma.sync loop", time_us(call, 1, true, env, 3) / r.us});
+      }
       if (L == 8192 && share == 0 && !env.quick) {
         msa_force_baseline(true);
         rows.back().ratios.push_back({"vs baseline kernel", time_us(call, 1, true, env, 3) / r.us});
@@ -244,7 +253,8 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
 // request's context in a 4096-key window, every block of the window listed, topk 64): B requests of
 // 8192 cached tokens + the block, Hq 64 / Hkv 4 (112-row groups), bf16 cache. Rows: the plan's
 // default (cluster merge), the global-memory merge (M3RT_MSA_CLUSTER=0) and 8 splits
-// (M3RT_MSA_SPLITS), each a graph replay with inputs rotated beyond L2.
+// (M3RT_MSA_SPLITS) and the mma.sync loop instead of wgmma (M3RT_MSA_WGMMA=0), each a graph replay
+// with inputs rotated beyond L2.
 std::vector<BenchRow> bench_msa_attention_draft(BenchEnv& env) {
   constexpr int N = 7, K = kMsaMaxTopk, window = 4096, ctx = 8192;
   const int seq = ctx + N, first = (ctx - window + 1) / kPageTokens, last = (seq - 1) / kPageTokens;
@@ -284,11 +294,13 @@ std::vector<BenchRow> bench_msa_attention_draft(BenchEnv& env) {
       const char* name;
       const char* splits;   // M3RT_MSA_SPLITS, nullptr: the plan's default
       const char* cluster;  // M3RT_MSA_CLUSTER "0": the global-memory merge
+      const char* wgmma;    // M3RT_MSA_WGMMA "0": the mma.sync loop
     };
-    for (const Variant& v : {Variant{"default", nullptr, nullptr}, Variant{"global merge", nullptr, "0"},
-                             Variant{"splits 8", "8", nullptr}}) {
+    for (const Variant& v : {Variant{"default", nullptr, nullptr, nullptr}, Variant{"global merge", nullptr, "0", nullptr},
+                             Variant{"splits 8", "8", nullptr, nullptr}, Variant{"mma.sync", nullptr, nullptr, "0"}}) {
       if (env.quick && std::string(v.name) != "default") continue;
-      const ScopedEnv splits_env("M3RT_MSA_SPLITS", v.splits), cluster_env("M3RT_MSA_CLUSTER", v.cluster);
+      const ScopedEnv splits_env("M3RT_MSA_SPLITS", v.splits), cluster_env("M3RT_MSA_CLUSTER", v.cluster),
+          wgmma_env("M3RT_MSA_WGMMA", v.wgmma);
       MsaDecodePlan plan({B, N, kHq, kHkv, K, nb, KvCacheDtype::kAuto}, Device::cuda());
       const int splits = msa_decode_splits(B, N, kHq, kHkv, K, nb);
       auto call = [&](int s, CUstream_st* stream) {

@@ -247,6 +247,8 @@ void check_msa_prefill(CheckContext& c) {
   // Groups 1 and 8 (GPU row groups of 32 and 16 tokens).
   check_msa_variant(c, {false, 4, 4, 8, 0, {700, 300}, {200, 40}});
   check_msa_variant(c, {true, 16, 2, 16, 0, {900}, {77}});
+  // Group 8 with 16-token GPU row groups (128 rows: the wgmma loop on Hopper), one group partial.
+  check_msa_variant(c, {false, 16, 2, 16, 0, {1500, 77}, {300, 77}});
 }
 
 void check_msa_decode(CheckContext& c) {
@@ -259,6 +261,10 @@ void check_msa_decode(CheckContext& c) {
   check_msa_variant(c, {true, 16, 2, 16, 32, {1300, 40}, {}});
   check_msa_variant(c, {false, 4, 2, 64, 2, {3000, 70, 9000}, {}});
   check_msa_variant(c, {false, 2, 2, 16, 1, {500, 260}, {}});
+  // Verify at M3's group 16: 128-row groups (dql 8) and 80-row groups (dql 5, a partly filled
+  // second warpgroup on Hopper), with pads and lengths below dql.
+  check_msa_variant(c, {false, 32, 2, 16, 8, {1700, 60, 0, 2600}, {}});
+  check_msa_variant(c, {false, 16, 1, 16, 5, {900, 3, 300}, {}});
   // The drafter's shape: 7 block rows x 16 heads (112-row groups), non-causal, window 4096, 64
   // listed blocks of 65; batch 2 splits each group over many CTAs (on Hopper: one cluster that
   // merges through DSMEM).

@@ -57,6 +57,7 @@
 #include "m3rt/error.h"
 #include "ops/common/head_math.cuh"
 #include "ops/common/mma.cuh"
+#include "ops/common/sm90.cuh"
 #include "ops/msa_attention/msa_attention.h"
 
 namespace m3rt {
@@ -67,6 +68,7 @@ using kernels::cp_async_commit;
 using kernels::cp_async_wait;
 using kernels::e4m3x2_to_f16x2;
 using kernels::mma_16816;
+using kernels::smem_u32;
 
 constexpr int kPage = 128;
 constexpr int kChunkKeys = 64;  // keys per pipeline stage
@@ -366,11 +368,15 @@ __device__ __forceinline__ void tile_keys16(TileState& st, const char* q_s, cons
 
 // A thread's part of loading one chunk (64 key rows of 16-byte pieces): pieces pc = tid % P of rows
 // tid / P + k * (threads / P). Its shared offsets repeat with period 2 in k (the swizzle of row
-// r depends on r & 7), so they are computed once.
-template <bool kFp8, int kThreads>
+// r depends on r & 7), so they are computed once. kSw128 (bf16, the wgmma kernel): the chunk as
+// four 64-key x 128-byte regions (K dims 0-63, K 64-127, V 0-63, V 64-127), 128-byte swizzle
+// (16-byte chunk q of key n at q ^ (n % 8)), the layout both wgmma operands read.
+template <bool kFp8, int kThreads, bool kSw128 = false>
 struct ChunkLoader {
   static constexpr int kRow = kFp8 ? 256 : 512, kPieces = kRow / 16;
   static constexpr int kRowsPerPass = kThreads / kPieces, kPasses = kChunkKeys / kRowsPerPass;
+  static constexpr int kDstRow = kSw128 ? 128 : kRow;  // bytes between a region's key rows
+  static_assert(!kSw128 || (!kFp8 && kRowsPerPass % 8 == 0), "the swizzled layout holds bf16 rows");
   int row0, src0, dst[2];
 
   __device__ __forceinline__ ChunkLoader() {
@@ -380,14 +386,17 @@ struct ChunkLoader {
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       const int row = row0 + k * kRowsPerPass;
-      dst[k] = row0 * kRow + ((pc ^ (kFp8 ? swz_e4m3(row) : swz_bf16(row))) * 16);
+      if constexpr (kSw128)
+        dst[k] = (pc / 8) * (kChunkKeys * 128) + row0 * 128 + (((pc % 8) ^ (row & 7)) * 16);
+      else
+        dst[k] = row0 * kRow + ((pc ^ (kFp8 ? swz_e4m3(row) : swz_bf16(row))) * 16);
     }
   }
   // Keys at or past valid_keys are zero-filled.
   __device__ __forceinline__ void issue(char* stage, const char* chunk, int valid_keys) const {
 #pragma unroll
     for (int k = 0; k < kPasses; ++k)
-      cp_async_16z(stage + dst[k & 1] + k * kRowsPerPass * kRow, chunk + src0 + k * kRowsPerPass * kRow,
+      cp_async_16z(stage + dst[k & 1] + k * kRowsPerPass * kDstRow, chunk + src0 + k * kRowsPerPass * kRow,
                    row0 + k * kRowsPerPass < valid_keys ? 16 : 0);
   }
 };
@@ -479,13 +488,167 @@ __device__ __forceinline__ void cluster_merge(const ClusterMergeArgs& a) {
 }
 #endif
 
+// The loop over a CTA's chunks on Hopper tensor cores (the kWg instances: bf16 pages, groups of
+// more than 64 rows). Warpgroup wg owns rows [64 wg, 64 wg + 64); warp w of the CTA the 16 rows
+// 16 w.., as in the mma.sync loop, so the row ranges, masks and epilogue are shared. Per 64-key
+// chunk and warpgroup: S = Q K^T as 8 wgmma m64n64k16 (Q, natural dim order, in registers; K from
+// the swizzled stage, K-major), the mask and online softmax of tile_keys16, then O += P V as 4 x 2
+// wgmma m64n128k16 (P as the bf16 value + residue pair of tile_keys16, from registers; V from the
+// same stage, MN-major). P V is left running into the next chunk's Q K^T (whose wait covers it),
+// so a stage is refilled two iterations after its last read: D = stages - 2 chunks in flight
+// ahead. A warpgroup none of whose tokens selected a chunk skips it.
+// Tried and dropped (H200, verify dql 8 B32): the chunk as two 32-key halves (wgmma m64n32k16),
+// each half's softmax under the other's MMAs: 162 vs 125 us; no CTA barrier per chunk (mbarriers
+// per stage, the warpgroups taking turns to issue so one's softmax runs under the other's MMAs):
+// 204 vs 156 us — the softmax is latency-bound, and in turns it has half the warps per scheduler.
+// S layout (per thread): s[4 j + e] = row g + 8 (e / 2), key 8 j + 2 c + (e % 2); O the same with
+// dims 8 j + 2 c + (e % 2), j < 16.
+constexpr int kWgMaxStages = 8;
+
+#ifndef M3RT_WG_V_LBO
+#define M3RT_WG_V_LBO (kChunkKeys * 128)
+#define M3RT_WG_V_SBO 1024
+#endif
+// 2^x on the MUFU unit alone (subnormal results flush to 0: weights below 2^-126 of the row max).
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <class Issue>
+__device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const int4* uniq, const char* q_s,
+                                          const char* area, int stage_bytes, int stages, int c_begin, int c_end,
+                                          int rows, int G, const int (&row_token)[2], const int (&row_lo)[2],
+                                          const int (&row_hi)[2], float scale_log2, Issue&& issue) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace kernels;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4, wg = warp / 4;
+  uint32_t wg_tokens = 0;  // the tokens of this warpgroup's rows
+  if (wg * 64 < rows) {
+    const int t0 = wg * 64 / G, t1 = min(wg * 64 + 63, rows - 1) / G;
+    wg_tokens = (t1 - t0 == 31 ? kFull : ((2u << (t1 - t0)) - 1)) << t0;
+  }
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  const int D = stages - 2;
+  for (int i = 0; i < D; ++i) issue(c_begin + i, i);  // one cp.async group each, empty past c_end
+  cp_async_wait_dyn(D);                               // the queries: the first group
+  __syncthreads();
+  // A fragments of Q: qa[s] = {(row g, dims 16 s + 2 c ..), (row g + 8, ..), (row g, 16 s + 8 + 2 c ..), (row g + 8, ..)}.
+  uint32_t qa[8][4];
+#pragma unroll
+  for (int rs = 0; rs < 2; ++rs) {
+    const int row = warp * 16 + g + 8 * rs;
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks)
+#pragma unroll
+      for (int kh = 0; kh < 2; ++kh) qa[ks][rs + 2 * kh] = lds32(q_s + row * 256 + (((2 * ks + kh) ^ swz_bf16(row)) * 16) + 4 * c);
+  }
+  for (int cc = c_begin; cc < c_end; ++cc) {
+    const int i = cc - c_begin;
+    issue(cc + D, (i + D) % stages);
+    cp_async_wait_dyn(D);
+    fence_proxy_async();  // this thread's landed copies, visible to the tensor cores
+    __syncthreads();
+    const int4 u = uniq[cc >> 1];
+    const uint32_t mask = uint32_t(cc & 1 ? u.w : u.z);
+    if ((mask & wg_tokens) == 0) {
+      wgmma_wait<0>();  // the stage of an earlier P V is refilled soon
+    } else {
+      const uint32_t sa = smem_u32(area + (i % stages) * stage_bytes);
+      float s[32];
+#pragma unroll
+      for (int k = 0; k < 32; ++k) s[k] = 0.f;
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < 8; ++ks)
+        wgmma_m64n64k16<false>(s, qa[ks], sw128_desc(sa + (ks / 4) * (kChunkKeys * 128) + (ks % 4) * 32));
+      wgmma_commit();
+      // The chunk keys each row sees (empty when its token did not select the chunk).
+      const int chunk_pos = u.x * kPage + (cc & 1) * kChunkKeys;
+      int lo[2], hi[2];
+#pragma unroll
+      for (int rs = 0; rs < 2; ++rs) {
+        const bool ok = row_token[rs] >= 0 && ((mask >> row_token[rs]) & 1);
+        lo[rs] = ok ? min(max(row_lo[rs] - chunk_pos, 0), kChunkKeys) : 0;
+        hi[rs] = ok ? min(max(row_hi[rs] - chunk_pos, lo[rs]), kChunkKeys) : 0;
+      }
+      const bool all_visible = lo[0] == 0 && hi[0] == kChunkKeys && lo[1] == 0 && hi[1] == kChunkKeys;
+      wgmma_wait<0>();  // also the previous chunk's P V: o may be rescaled now
+      // Mask and online softmax (base 2), as tile_keys16. The scale is > 0 (validated), so the
+      // max is taken before scaling and the scale folds into the exponent's FMA.
+      float mx[2] = {-INFINITY, -INFINITY};
+      if (all_visible) {
+#pragma unroll
+        for (int k = 0; k < 32; ++k) mx[(k >> 1) & 1] = fmaxf(mx[(k >> 1) & 1], s[k]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < 32; ++k) {
+          const int rs = (k >> 1) & 1, key = 8 * (k >> 2) + 2 * c + (k & 1);
+          if (unsigned(key - lo[rs]) >= unsigned(hi[rs] - lo[rs])) s[k] = -INFINITY;
+          mx[rs] = fmaxf(mx[rs], s[k]);
+        }
+      }
+      float alpha[2], m_sub[2];
+#pragma unroll
+      for (int rs = 0; rs < 2; ++rs) {
+        mx[rs] = fmaxf(mx[rs], __shfl_xor_sync(kFull, mx[rs], 1));
+        mx[rs] = fmaxf(mx[rs], __shfl_xor_sync(kFull, mx[rs], 2));
+        const float m_new = fmaxf(st.m[rs], mx[rs] * scale_log2);
+        alpha[rs] = m_new == -INFINITY ? 1.f : exp2f(st.m[rs] - m_new);
+        st.m[rs] = m_new;
+        m_sub[rs] = m_new == -INFINITY ? 0.f : m_new;  // a row with no key yet: its -inf scores weigh 0
+      }
+      float sum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int k = 0; k < 32; ++k) {
+        const int rs = (k >> 1) & 1;
+        s[k] = exp2_ftz(fmaf(s[k], scale_log2, -m_sub[rs]));
+        sum[rs] += s[k];
+      }
+#pragma unroll
+      for (int rs = 0; rs < 2; ++rs) st.l[rs] = st.l[rs] * alpha[rs] + sum[rs];
+      if (alpha[0] != 1.f || alpha[1] != 1.f) {
+#pragma unroll
+        for (int k = 0; k < 64; ++k) o[k] *= alpha[(k >> 1) & 1];
+      }
+      uint32_t ph[4][4], pl[4][4];  // P's A fragments per 16-key step: value and residue
+#pragma unroll
+      for (int t = 0; t < 4; ++t)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) split2<false>(s[8 * t + 2 * q], s[8 * t + 2 * q + 1], ph[t][q], pl[t][q]);
+      wgmma_fence();
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        // V: keys 16 t .. 16 t + 15 (two 8-key atoms), dims in two 64-dim regions 8 KB apart.
+        const uint64_t desc = sw128_desc(sa + 2 * (kChunkKeys * 128) + t * 2048, M3RT_WG_V_LBO, M3RT_WG_V_SBO);
+        wgmma_m64n128k16<false, true>(o, ph[t], desc);
+        wgmma_m64n128k16<false, true>(o, pl[t], desc);
+      }
+      wgmma_commit();
+    }
+    __syncthreads();
+  }
+  wgmma_wait<0>();
+#elif defined(__CUDA_ARCH__)
+  __trap();  // launched only by sm_90a builds on sm_90 devices (kernel_config)
+#endif
+}
+
 // kWarps: 4 (two CTAs per SM) for groups of at most 64 rows, else 8 (one 16-row tile per warp).
 // kCluster: launched as clusters of the splits, which merge through DSMEM (split decode on sm_90+).
-template <bool kFp8, int kWarps, bool kCluster>
+// kWg (sm_90a, bf16, 8 warps): the loop over chunks on wgmma, two warpgroups of 64 rows
+// (wg_chunk); everything before and after it is the same code.
+template <bool kFp8, int kWarps, bool kCluster, bool kWg = false>
 __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
     msa_sparse_kernel(const __grid_constant__ MsaParams p, int stages) {
   constexpr int kThreads = kWarps * 32;
-  extern __shared__ __align__(128) char smem[];
+  static_assert(!kWg || (kWarps == 8 && !kFp8), "the wgmma loop runs bf16 pages on two warpgroups");
+  extern __shared__ __align__(128) char smem_raw[];
+  // The wgmma instances' stages start on a 1024-byte boundary (the swizzle atom): their shared
+  // memory has 1024 bytes of slack for it.
+  char* smem = kWg ? smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u) : smem_raw;
   const int G = p.num_heads / p.num_kv_heads;
   const int tg = msa_group_tokens(G, p.decode_query_len);
   const SmemLayout L = smem_layout(kFp8, stages, tg, G, p.topk_k, p.max_blocks, kWarps);
@@ -646,7 +809,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
   // The 8-warp kernel with at most 4 tiles runs two chunk lanes: warps 0-3 take the even chunks of
   // an iteration's pair, warps 4-7 the odd ones (more independent work per SM when one CTA holds it).
   const int R = (rows + 15) / 16;
-  const int CL = kWarps == 8 && R <= 4 ? 2 : 1;  // chunks per iteration
+  const int CL = !kWg && kWarps == 8 && R <= 4 ? 2 : 1;  // chunks per iteration
   const int lane_warps = kWarps / CL, lg = warp / lane_warps, w = warp % lane_warps;
   const int KSg = lane_warps == 8 || R >= 3 ? 1 : (R == 2 ? 2 : 4);
   const int tile = w / KSg;
@@ -678,7 +841,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
     row_hi[rs] = tr.y;
   }
   const LaneOffsets off = lane_offsets<kFp8>(tile);
-  const ChunkLoader<kFp8, kThreads> loader;
+  const ChunkLoader<kFp8, kThreads, kWg> loader;
   const char* cache = static_cast<const char*>(p.cache);
   constexpr int64_t kRowBytes = kFp8 ? 256 : 512;
 
@@ -693,33 +856,39 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
     }
     cp_async_commit();
   };
-  // One cp.async group per chunk (empty past the split's end). Before the iteration over chunks
-  // [c, c + CL): 1 + (stages - CL) + (c - c_begin + CL) groups committed, of which the first
-  // 1 + (c - c_begin + CL) must be complete.
-  for (int i = 0; i < stages - CL; ++i) issue(c_begin + i, i);
-  for (int c = c_begin; c < c_end; c += CL) {
-    const int i = c - c_begin;
-    for (int q = 0; q < CL; ++q) issue(c + stages - CL + q, (i + stages - CL + q) % stages);
-    cp_async_wait_dyn(stages - CL);
-    __syncthreads();
-    const int cc = c + lg;
-    const uint32_t mask = cc < c_end ? chunk_mask(cc) : 0u;
-    if ((mask & tile_tokens) != 0) {  // some token of this warp's tile selected the chunk
-      const char* stage = area + ((i + lg) % stages) * L.stage_bytes;
-      const int chunk_pos = uniq[cc >> 1].x * kPage + (cc & 1) * kChunkKeys;
-      int lo[2], hi[2];  // the chunk keys each lane row sees (empty when its token did not select it)
+  float wo[kWg ? 64 : 1];  // the wgmma loop's O accumulator (rows g, g + 8; dims 8 i + 2 c + e)
+  if constexpr (kWg) {
+    wg_chunks(st, wo, uniq, q_s, area, L.stage_bytes, stages, c_begin, c_end, rows, G, row_token, row_lo, row_hi,
+              scale_log2, issue);
+  } else {
+    // One cp.async group per chunk (empty past the split's end). Before the iteration over chunks
+    // [c, c + CL): 1 + (stages - CL) + (c - c_begin + CL) groups committed, of which the first
+    // 1 + (c - c_begin + CL) must be complete.
+    for (int i = 0; i < stages - CL; ++i) issue(c_begin + i, i);
+    for (int c = c_begin; c < c_end; c += CL) {
+      const int i = c - c_begin;
+      for (int q = 0; q < CL; ++q) issue(c + stages - CL + q, (i + stages - CL + q) % stages);
+      cp_async_wait_dyn(stages - CL);
+      __syncthreads();
+      const int cc = c + lg;
+      const uint32_t mask = cc < c_end ? chunk_mask(cc) : 0u;
+      if ((mask & tile_tokens) != 0) {  // some token of this warp's tile selected the chunk
+        const char* stage = area + ((i + lg) % stages) * L.stage_bytes;
+        const int chunk_pos = uniq[cc >> 1].x * kPage + (cc & 1) * kChunkKeys;
+        int lo[2], hi[2];  // the chunk keys each lane row sees (empty when its token did not select it)
 #pragma unroll
-      for (int rs = 0; rs < 2; ++rs) {
-        const bool ok = row_token[rs] >= 0 && ((mask >> row_token[rs]) & 1);
-        lo[rs] = ok ? min(max(row_lo[rs] - chunk_pos, 0), kChunkKeys) : 0;
-        hi[rs] = ok ? min(max(row_hi[rs] - chunk_pos, lo[rs]), kChunkKeys) : 0;
+        for (int rs = 0; rs < 2; ++rs) {
+          const bool ok = row_token[rs] >= 0 && ((mask >> row_token[rs]) & 1);
+          lo[rs] = ok ? min(max(row_lo[rs] - chunk_pos, 0), kChunkKeys) : 0;
+          hi[rs] = ok ? min(max(row_hi[rs] - chunk_pos, lo[rs]), kChunkKeys) : 0;
+        }
+        for (int sub = 0; sub < keys_per_part / 16; ++sub) {
+          const int key0 = key_base + sub * 16;
+          tile_keys16<kFp8>(st, q_s, stage + key0 * kRowBytes, off, key0, lo, hi, scale_log2);
+        }
       }
-      for (int sub = 0; sub < keys_per_part / 16; ++sub) {
-        const int key0 = key_base + sub * 16;
-        tile_keys16<kFp8>(st, q_s, stage + key0 * kRowBytes, off, key0, lo, hi, scale_log2);
-      }
+      __syncthreads();  // the stages are refilled next iteration
     }
-    __syncthreads();  // the stages are refilled next iteration
   }
   cp_async_wait<0>();
   __syncthreads();
@@ -759,8 +928,12 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
 #pragma unroll
       for (int j = 0; j < 16; ++j)
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-          fin[kp * plane + fin_index(row, 32 * (lane % 4) + 16 * hh + j)] = st.o[j][rs * 2 + hh] * w;
+        for (int hh = 0; hh < 2; ++hh) {
+          if constexpr (kWg)  // wo[4 j + 2 rs + hh]: dim 8 j + 2 c + hh
+            fin[fin_index(row, 8 * j + 2 * (lane % 4) + hh)] = wo[4 * j + 2 * rs + hh] * w;
+          else
+            fin[kp * plane + fin_index(row, 32 * (lane % 4) + 16 * hh + j)] = st.o[j][rs * 2 + hh] * w;
+        }
     }
   }
   __syncthreads();
@@ -879,7 +1052,8 @@ bool g_force_baseline = false;
 // The kernel instance and its shared memory for a call. A grid no larger than the GPU (one CTA per
 // SM) or groups of more than 64 rows: 8 warps, one CTA per SM, as many 64-key stages as fit (at
 // most 8); with at most 4 tiles those 8 warps work on two chunks at a time. Otherwise 4 warps and
-// two CTAs per SM, their stages split accordingly (at least 2).
+// two CTAs per SM, their stages split accordingly (at least 2). On sm_90 with bf16 pages, groups
+// of more than 64 rows run the wgmma loop (kWg; M3RT_MSA_WGMMA=0 keeps mma.sync, for benchmarks).
 using KernelFn = void (*)(MsaParams, int);
 struct KernelConfig {
   KernelFn fn;          // plain launches
@@ -887,15 +1061,26 @@ struct KernelConfig {
   int threads, stages, smem;
 };
 
+bool use_wgmma(bool fp8, int rows, int major) {
+  if (fp8 || rows <= 64 || major != 9) return false;
+  const char* env = std::getenv("M3RT_MSA_WGMMA");
+  return !(env && std::string(env) == "0");
+}
+
 KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, int64_t ctas) {
-  int dev = 0, per_sm = 0, optin = 0;
+  int dev = 0, per_sm = 0, optin = 0, major = 0;
   M3RT_CUDA_CHECK(cudaGetDevice(&dev));
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   const bool lone = msa_group_rows(G, tg) > 64 || ctas <= detail::multiprocessor_count();
+  const bool wg = use_wgmma(fp8, msa_group_rows(G, tg), major);
   const int warps = lone ? 8 : 4;
   KernelConfig cfg{};
-  if (fp8) {
+  if (wg) {
+    cfg.fn = msa_sparse_kernel<false, 8, false, true>;
+    cfg.cluster_fn = msa_sparse_kernel<false, 8, true, true>;
+  } else if (fp8) {
     cfg.fn = lone ? msa_sparse_kernel<true, 8, false> : msa_sparse_kernel<true, 4, false>;
     cfg.cluster_fn = lone ? msa_sparse_kernel<true, 8, true> : msa_sparse_kernel<true, 4, true>;
   } else {
@@ -904,14 +1089,16 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
   }
   cfg.threads = warps * 32;
   const SmemLayout base = smem_layout(fp8, 0, tg, G, topk, max_blocks, warps);
-  const int fixed = base.total - base.q_off;
+  const int slack = wg ? 1024 : 0;  // wgmma: the stages' 1024-byte alignment
+  const int fixed = base.total - base.q_off + slack;
   int stages = ((lone ? optin : per_sm / 2 - 1024) - fixed) / base.stage_bytes;
-  if (stages < 2) stages = (optin - fixed) / base.stage_bytes;
-  if (stages < 2)
+  const int min_stages = wg ? 3 : 2;  // wgmma: a stage is refilled two iterations after its last read
+  if (stages < min_stages) stages = (optin - fixed) / base.stage_bytes;
+  if (stages < min_stages)
     throw Error("msa_attention: a group of " + std::to_string(tg) + " tokens x topk " + std::to_string(topk) +
                 " needs more shared memory than this GPU has");
-  cfg.stages = std::min(stages, 8);
-  cfg.smem = smem_layout(fp8, cfg.stages, tg, G, topk, max_blocks, warps).total;
+  cfg.stages = std::min(stages, wg ? kWgMaxStages : 8);
+  cfg.smem = smem_layout(fp8, cfg.stages, tg, G, topk, max_blocks, warps).total + slack;
   // Raise the kernel's dynamic shared memory limit (a per-device function attribute) when a call
   // needs more than any before on this device; calls may come from several host threads.
   struct Raised {

@@ -200,7 +200,7 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
         r.note += b;
       }
       rows.push_back(r);
-      if (c.dql > 1 && !fp8) {  // the mma.sync loop the wgmma one replaced on Hopper, same run
+      if (c.dql > 1) {  // the mma.sync loop the wgmma one replaced on Hopper, same run
         const ScopedEnv mma_sync("M3RT_MSA_WGMMA", "0");
         MsaDecodePlan alt({c.B, c.dql, kHq, kHkv, kTopk, nb, kd}, Device::cuda());
         rows.back().ratios.push_back({"vs mma.sync loop", time_us(call_with(alt), sets, true, env) / r.us});
@@ -235,7 +235,7 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
       r.gbps = r.bytes / (r.us * 1e3);
       r.note = std::to_string(int(r.tflops)) + " TFLOP/s effective";
       rows.push_back(r);
-      if (!fp8) {  // the mma.sync loop the wgmma one replaced on Hopper, same run
+      {  // the mma.sync loop the wgmma one replaced on Hopper, same run
         const ScopedEnv mma_sync("M3RT_MSA_WGMMA", "0");
         rows.back().ratios.push_back({"vs mma.sync loop", time_us(call, 1, true, env, 3) / r.us});
       }

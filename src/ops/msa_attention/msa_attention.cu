@@ -72,6 +72,8 @@ using kernels::smem_u32;
 
 constexpr int kPage = 128;
 constexpr int kChunkKeys = 64;  // keys per pipeline stage
+constexpr int kWgImageBytes = kChunkKeys * 512;  // a chunk as the wgmma loop reads it (bf16 / f16)
+constexpr int kWgImages = 3;                     // e4m3 wgmma loop: converted chunks in flight
 constexpr int kMaxTokens = 32;  // tokens per group (32-bit token masks)
 constexpr int kMaxSplits = 16;
 constexpr unsigned kFull = 0xffffffffu;
@@ -93,8 +95,9 @@ __host__ __device__ inline int next_pow2(int n) {
   return p;
 }
 
+// image_bytes: the e4m3 wgmma loop's converted chunks, after the stages.
 __host__ __device__ inline SmemLayout smem_layout(bool fp8, int stages, int group_tokens, int group_size, int topk,
-                                                  int max_blocks, int warps) {
+                                                  int max_blocks, int warps, int image_bytes = 0) {
   SmemLayout l{};
   l.stage_bytes = kChunkKeys * (fp8 ? 256 : 512);
   l.stages = stages;
@@ -103,7 +106,8 @@ __host__ __device__ inline SmemLayout smem_layout(bool fp8, int stages, int grou
   l.n_pad = next_pow2(n);
   l.u_cap = n < max_blocks ? n : max_blocks;
   // The output planes need KS x tile rows x 512 bytes with KS x tiles <= warps.
-  int area = stages * l.stage_bytes > l.rows * 512 ? stages * l.stage_bytes : l.rows * 512;
+  const int pipe = stages * l.stage_bytes + image_bytes;
+  int area = pipe > l.rows * 512 ? pipe : l.rows * 512;
   area = area > warps * 16 * 512 ? area : warps * 16 * 512;
   l.q_off = area;
   l.keys_off = l.q_off + l.rows * 256;
@@ -494,13 +498,18 @@ __device__ __forceinline__ void cluster_merge(const ClusterMergeArgs& a) {
 // chunk and warpgroup: S = Q K^T as 8 wgmma m64n64k16 (Q, natural dim order, in registers; K from
 // the swizzled stage, K-major), the mask and online softmax of tile_keys16, then O += P V as 4 x 2
 // wgmma m64n128k16 (P as the bf16 value + residue pair of tile_keys16, from registers; V from the
-// same stage, MN-major). P V is left running into the next chunk's Q K^T (whose wait covers it),
-// so a stage is refilled two iterations after its last read: D = stages - 2 chunks in flight
-// ahead. A warpgroup none of whose tokens selected a chunk skips it.
-// Tried and dropped (H200, verify dql 8 B32): the chunk as two 32-key halves (wgmma m64n32k16),
-// each half's softmax under the other's MMAs: 162 vs 125 us; no CTA barrier per chunk (mbarriers
-// per stage, the warpgroups taking turns to issue so one's softmax runs under the other's MMAs):
-// 204 vs 156 us — the softmax is latency-bound, and in turns it has half the warps per scheduler.
+// same stage, MN-major; f16 P and V for e4m3). P V is left running into the next chunk's Q K^T,
+// whose wait covers it. bf16: the chunk is the stage itself, refilled two iterations after its
+// last read (D = stages - 2 chunks in flight ahead). e4m3: every raw stage is in flight; at the end
+// of iteration i the CTA converts chunk i + 1 into image (i + 1) % 3 (wg_convert_e4m3), which
+// chunk i - 2 last read; chunk i's raw stage is refilled after iteration i's barrier. A warpgroup
+// none of whose tokens selected a chunk skips it.
+// Tried and dropped (H200, verify dql 8 B32, bf16): the chunk as two 32-key halves (wgmma
+// m64n32k16), each half's softmax under the other's MMAs: 162 vs 125 us; a chunk's P V issued
+// after the next chunk's Q K^T, so the softmax runs under it: 149 vs 123 us; no CTA barrier per
+// chunk (mbarriers per stage, the warpgroups taking turns to issue so one's softmax runs under the
+// other's MMAs): 204 vs 156 us — the softmax is latency-bound, and in turns it has half the warps
+// per scheduler.
 // S layout (per thread): s[4 j + e] = row g + 8 (e / 2), key 8 j + 2 c + (e % 2); O the same with
 // dims 8 j + 2 c + (e % 2), j < 16.
 constexpr int kWgMaxStages = 8;
@@ -510,19 +519,42 @@ constexpr int kWgMaxStages = 8;
 #define M3RT_WG_V_SBO 1024
 #endif
 // 2^x on the MUFU unit alone (subnormal results flush to 0: weights below 2^-126 of the row max).
-__device__ __forceinline__ float exp2_ftz(float x) {
+[[maybe_unused]] __device__ __forceinline__ float exp2_ftz(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
 
-template <class Issue>
+// An e4m3 chunk (raw stage: 64 rows of 256 bytes, 16-byte piece pc of row r at pc ^ (r % 8)) as
+// the image the wgmma loop reads: K as bf16 and V as f16 (both exact), 128-byte swizzle.
+template <int kThreads>
+__device__ __forceinline__ void wg_convert_e4m3(const char* raw, char* image) {
+#pragma unroll
+  for (int k = 0; k < kChunkKeys * 16 / kThreads; ++k) {
+    const int piece = threadIdx.x + kThreads * k, r = piece / 16, pc = piece % 16;
+    const uint4 v = lds128(raw + r * 256 + ((pc ^ (r & 7)) * 16));
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    uint32_t h[8];  // dims 16 (pc % 8) .. + 15 of K (pc < 8) or V, as 16-bit pairs
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      h[2 * e] = pc < 8 ? e4m3x2_to_bf16x2(w[e] & 0xffffu) : e4m3x2_to_f16x2(w[e] & 0xffffu);
+      h[2 * e + 1] = pc < 8 ? e4m3x2_to_bf16x2(w[e] >> 16) : e4m3x2_to_f16x2(w[e] >> 16);
+    }
+    const int region = pc / 4, q = 2 * (pc % 4);  // K 0-63, K 64-127, V 0-63, V 64-127
+    char* row = image + region * (kChunkKeys * 128) + r * 128;
+    *reinterpret_cast<uint4*>(row + ((q ^ (r & 7)) * 16)) = make_uint4(h[0], h[1], h[2], h[3]);
+    *reinterpret_cast<uint4*>(row + (((q + 1) ^ (r & 7)) * 16)) = make_uint4(h[4], h[5], h[6], h[7]);
+  }
+}
+
+template <bool kFp8, class Issue>
 __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const int4* uniq, const char* q_s,
-                                          const char* area, int stage_bytes, int stages, int c_begin, int c_end,
+                                          char* area, int stage_bytes, int stages, int c_begin, int c_end,
                                           int rows, int G, const int (&row_token)[2], const int (&row_lo)[2],
                                           const int (&row_hi)[2], float scale_log2, Issue&& issue) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace kernels;
+  constexpr int kThreads = 256;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4, wg = warp / 4;
   uint32_t wg_tokens = 0;  // the tokens of this warpgroup's rows
   if (wg * 64 < rows) {
@@ -531,10 +563,19 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
   }
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
-  const int D = stages - 2;
+  const int n = c_end - c_begin;
+  // bf16: D = stages - 2 chunks in flight ahead (a stage is read up to the iteration after its
+  // own). e4m3: every raw stage in flight; chunk i + 1 is converted at the end of iteration i
+  // into image (i + 1) % 3, which chunk i - 2 last read in iteration i - 1.
+  const int D = kFp8 ? stages : stages - 2;
+  char* images = area + stages * stage_bytes;
   for (int i = 0; i < D; ++i) issue(c_begin + i, i);  // one cp.async group each, empty past c_end
-  cp_async_wait_dyn(D);                               // the queries: the first group
+  cp_async_wait_dyn(kFp8 ? D - 1 : D);                // the queries (the first group); e4m3: chunk 0 too
   __syncthreads();
+  if constexpr (kFp8) {
+    if (n > 0) wg_convert_e4m3<kThreads>(area, images);
+    fence_proxy_async();  // this thread's image writes, visible to the tensor cores
+  }
   // A fragments of Q: qa[s] = {(row g, dims 16 s + 2 c ..), (row g + 8, ..), (row g, 16 s + 8 + 2 c ..), (row g + 8, ..)}.
   uint32_t qa[8][4];
 #pragma unroll
@@ -547,22 +588,29 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
   }
   for (int cc = c_begin; cc < c_end; ++cc) {
     const int i = cc - c_begin;
-    issue(cc + D, (i + D) % stages);
-    cp_async_wait_dyn(D);
-    fence_proxy_async();  // this thread's landed copies, visible to the tensor cores
-    __syncthreads();
+    uint32_t sa;  // the chunk's image
+    if constexpr (kFp8) {
+      cp_async_wait_dyn(D - 2);  // chunk i + 1's raw stage, converted at the end of this iteration
+      __syncthreads();           // ... and chunk i's image, converted in the last one
+      issue(cc + D, i % stages);  // chunk i's raw stage is free (converted)
+      sa = smem_u32(images + (i % kWgImages) * kWgImageBytes);
+    } else {
+      issue(cc + D, (i + D) % stages);
+      cp_async_wait_dyn(D);
+      fence_proxy_async();  // this thread's landed copies, visible to the tensor cores
+      __syncthreads();
+      sa = smem_u32(area + (i % stages) * stage_bytes);
+    }
     const int4 u = uniq[cc >> 1];
     const uint32_t mask = uint32_t(cc & 1 ? u.w : u.z);
     if ((mask & wg_tokens) == 0) {
-      wgmma_wait<0>();  // the stage of an earlier P V is refilled soon
+      wgmma_wait<0>();  // the previous P V: its stage is refilled soon
     } else {
-      const uint32_t sa = smem_u32(area + (i % stages) * stage_bytes);
       float s[32];
-#pragma unroll
-      for (int k = 0; k < 32; ++k) s[k] = 0.f;
       wgmma_fence();
+      wgmma_m64n64k16<false, false, false>(s, qa[0], sw128_desc(sa));
 #pragma unroll
-      for (int ks = 0; ks < 8; ++ks)
+      for (int ks = 1; ks < 8; ++ks)
         wgmma_m64n64k16<false>(s, qa[ks], sw128_desc(sa + (ks / 4) * (kChunkKeys * 128) + (ks % 4) * 32));
       wgmma_commit();
       // The chunk keys each row sees (empty when its token did not select the chunk).
@@ -576,16 +624,22 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
       }
       const bool all_visible = lo[0] == 0 && hi[0] == kChunkKeys && lo[1] == 0 && hi[1] == kChunkKeys;
       wgmma_wait<0>();  // also the previous chunk's P V: o may be rescaled now
-      // Mask and online softmax (base 2), as tile_keys16. The scale is > 0 (validated), so the
-      // max is taken before scaling and the scale folds into the exponent's FMA.
+      // Mask and online softmax (base 2), as tile_keys16. bf16: the scale is > 0 (validated), so
+      // the max is taken before scaling and the scale folds into the exponent's FMA; e4m3 (the
+      // scale includes the k descale, read on the device) scales first.
+      const float sc = kFp8 ? 1.f : scale_log2;
       float mx[2] = {-INFINITY, -INFINITY};
       if (all_visible) {
 #pragma unroll
-        for (int k = 0; k < 32; ++k) mx[(k >> 1) & 1] = fmaxf(mx[(k >> 1) & 1], s[k]);
+        for (int k = 0; k < 32; ++k) {
+          if constexpr (kFp8) s[k] *= scale_log2;
+          mx[(k >> 1) & 1] = fmaxf(mx[(k >> 1) & 1], s[k]);
+        }
       } else {
 #pragma unroll
         for (int k = 0; k < 32; ++k) {
           const int rs = (k >> 1) & 1, key = 8 * (k >> 2) + 2 * c + (k & 1);
+          if constexpr (kFp8) s[k] *= scale_log2;
           if (unsigned(key - lo[rs]) >= unsigned(hi[rs] - lo[rs])) s[k] = -INFINITY;
           mx[rs] = fmaxf(mx[rs], s[k]);
         }
@@ -595,7 +649,7 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
       for (int rs = 0; rs < 2; ++rs) {
         mx[rs] = fmaxf(mx[rs], __shfl_xor_sync(kFull, mx[rs], 1));
         mx[rs] = fmaxf(mx[rs], __shfl_xor_sync(kFull, mx[rs], 2));
-        const float m_new = fmaxf(st.m[rs], mx[rs] * scale_log2);
+        const float m_new = fmaxf(st.m[rs], mx[rs] * sc);
         alpha[rs] = m_new == -INFINITY ? 1.f : exp2f(st.m[rs] - m_new);
         st.m[rs] = m_new;
         m_sub[rs] = m_new == -INFINITY ? 0.f : m_new;  // a row with no key yet: its -inf scores weigh 0
@@ -604,7 +658,7 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
 #pragma unroll
       for (int k = 0; k < 32; ++k) {
         const int rs = (k >> 1) & 1;
-        s[k] = exp2_ftz(fmaf(s[k], scale_log2, -m_sub[rs]));
+        s[k] = exp2_ftz(fmaf(s[k], sc, -m_sub[rs]));
         sum[rs] += s[k];
       }
 #pragma unroll
@@ -617,18 +671,25 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
 #pragma unroll
       for (int t = 0; t < 4; ++t)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) split2<false>(s[8 * t + 2 * q], s[8 * t + 2 * q + 1], ph[t][q], pl[t][q]);
+        for (int q = 0; q < 4; ++q) split2<kFp8>(s[8 * t + 2 * q], s[8 * t + 2 * q + 1], ph[t][q], pl[t][q]);
       wgmma_fence();
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
         // V: keys 16 t .. 16 t + 15 (two 8-key atoms), dims in two 64-dim regions 8 KB apart.
         const uint64_t desc = sw128_desc(sa + 2 * (kChunkKeys * 128) + t * 2048, M3RT_WG_V_LBO, M3RT_WG_V_SBO);
-        wgmma_m64n128k16<false, true>(o, ph[t], desc);
-        wgmma_m64n128k16<false, true>(o, pl[t], desc);
+        wgmma_m64n128k16<kFp8, true>(o, ph[t], desc);
+        wgmma_m64n128k16<kFp8, true>(o, pl[t], desc);
       }
-      wgmma_commit();
+      wgmma_commit();  // left running into the next chunk's Q K^T, whose wait covers it
     }
-    __syncthreads();
+    if constexpr (kFp8) {
+      const int next = cc + 1;
+      if (next < c_end && (next & 1 ? uniq[next >> 1].w : uniq[next >> 1].z) != 0)
+        wg_convert_e4m3<kThreads>(area + ((i + 1) % stages) * stage_bytes, images + ((i + 1) % kWgImages) * kWgImageBytes);
+      fence_proxy_async();  // this thread's image writes, visible to the tensor cores
+    } else {
+      __syncthreads();  // every warpgroup is done with the stages refilled next
+    }
   }
   wgmma_wait<0>();
 #elif defined(__CUDA_ARCH__)
@@ -644,14 +705,15 @@ template <bool kFp8, int kWarps, bool kCluster, bool kWg = false>
 __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
     msa_sparse_kernel(const __grid_constant__ MsaParams p, int stages) {
   constexpr int kThreads = kWarps * 32;
-  static_assert(!kWg || (kWarps == 8 && !kFp8), "the wgmma loop runs bf16 pages on two warpgroups");
+  static_assert(!kWg || kWarps == 8, "the wgmma loop runs on two warpgroups");
   extern __shared__ __align__(128) char smem_raw[];
   // The wgmma instances' stages start on a 1024-byte boundary (the swizzle atom): their shared
   // memory has 1024 bytes of slack for it.
   char* smem = kWg ? smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u) : smem_raw;
   const int G = p.num_heads / p.num_kv_heads;
   const int tg = msa_group_tokens(G, p.decode_query_len);
-  const SmemLayout L = smem_layout(kFp8, stages, tg, G, p.topk_k, p.max_blocks, kWarps);
+  const SmemLayout L =
+      smem_layout(kFp8, stages, tg, G, p.topk_k, p.max_blocks, kWarps, kWg && kFp8 ? kWgImages * kWgImageBytes : 0);
   char* area = smem;
   char* q_s = smem + L.q_off;
   uint64_t* keys = reinterpret_cast<uint64_t*>(smem + L.keys_off);
@@ -841,7 +903,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
     row_hi[rs] = tr.y;
   }
   const LaneOffsets off = lane_offsets<kFp8>(tile);
-  const ChunkLoader<kFp8, kThreads, kWg> loader;
+  const ChunkLoader<kFp8, kThreads, kWg && !kFp8> loader;
   const char* cache = static_cast<const char*>(p.cache);
   constexpr int64_t kRowBytes = kFp8 ? 256 : 512;
 
@@ -858,8 +920,8 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
   };
   float wo[kWg ? 64 : 1];  // the wgmma loop's O accumulator (rows g, g + 8; dims 8 i + 2 c + e)
   if constexpr (kWg) {
-    wg_chunks(st, wo, uniq, q_s, area, L.stage_bytes, stages, c_begin, c_end, rows, G, row_token, row_lo, row_hi,
-              scale_log2, issue);
+    wg_chunks<kFp8>(st, wo, uniq, q_s, area, L.stage_bytes, stages, c_begin, c_end, rows, G, row_token, row_lo,
+                    row_hi, scale_log2, issue);
   } else {
     // One cp.async group per chunk (empty past the split's end). Before the iteration over chunks
     // [c, c + CL): 1 + (stages - CL) + (c - c_begin + CL) groups committed, of which the first
@@ -1061,8 +1123,8 @@ struct KernelConfig {
   int threads, stages, smem;
 };
 
-bool use_wgmma(bool fp8, int rows, int major) {
-  if (fp8 || rows <= 64 || major != 9) return false;
+bool use_wgmma(int rows, int major) {
+  if (rows <= 64 || major != 9) return false;
   const char* env = std::getenv("M3RT_MSA_WGMMA");
   return !(env && std::string(env) == "0");
 }
@@ -1074,12 +1136,12 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   const bool lone = msa_group_rows(G, tg) > 64 || ctas <= detail::multiprocessor_count();
-  const bool wg = use_wgmma(fp8, msa_group_rows(G, tg), major);
+  const bool wg = use_wgmma(msa_group_rows(G, tg), major);
   const int warps = lone ? 8 : 4;
   KernelConfig cfg{};
   if (wg) {
-    cfg.fn = msa_sparse_kernel<false, 8, false, true>;
-    cfg.cluster_fn = msa_sparse_kernel<false, 8, true, true>;
+    cfg.fn = fp8 ? msa_sparse_kernel<true, 8, false, true> : msa_sparse_kernel<false, 8, false, true>;
+    cfg.cluster_fn = fp8 ? msa_sparse_kernel<true, 8, true, true> : msa_sparse_kernel<false, 8, true, true>;
   } else if (fp8) {
     cfg.fn = lone ? msa_sparse_kernel<true, 8, false> : msa_sparse_kernel<true, 4, false>;
     cfg.cluster_fn = lone ? msa_sparse_kernel<true, 8, true> : msa_sparse_kernel<true, 4, true>;
@@ -1088,9 +1150,10 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
     cfg.cluster_fn = lone ? msa_sparse_kernel<false, 8, true> : msa_sparse_kernel<false, 4, true>;
   }
   cfg.threads = warps * 32;
-  const SmemLayout base = smem_layout(fp8, 0, tg, G, topk, max_blocks, warps);
+  const int images = wg && fp8 ? kWgImages * kWgImageBytes : 0;
+  const SmemLayout base = smem_layout(fp8, 0, tg, G, topk, max_blocks, warps, images);
   const int slack = wg ? 1024 : 0;  // wgmma: the stages' 1024-byte alignment
-  const int fixed = base.total - base.q_off + slack;
+  const int fixed = base.total - base.q_off + slack + images;
   int stages = ((lone ? optin : per_sm / 2 - 1024) - fixed) / base.stage_bytes;
   const int min_stages = wg ? 3 : 2;  // wgmma: a stage is refilled two iterations after its last read
   if (stages < min_stages) stages = (optin - fixed) / base.stage_bytes;
@@ -1098,7 +1161,7 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
     throw Error("msa_attention: a group of " + std::to_string(tg) + " tokens x topk " + std::to_string(topk) +
                 " needs more shared memory than this GPU has");
   cfg.stages = std::min(stages, wg ? kWgMaxStages : 8);
-  cfg.smem = smem_layout(fp8, cfg.stages, tg, G, topk, max_blocks, warps).total + slack;
+  cfg.smem = smem_layout(fp8, cfg.stages, tg, G, topk, max_blocks, warps, images).total + slack;
   // Raise the kernel's dynamic shared memory limit (a per-device function attribute) when a call
   // needs more than any before on this device; calls may come from several host threads.
   struct Raised {

@@ -1,5 +1,5 @@
 // Hopper (sm_90) helpers shared by the lightning indexer and the MSA attention kernel: mbarriers,
-// bulk copies, named barriers, and warpgroup MMA (shared-memory matrix descriptors for the
+// bulk copies, and warpgroup MMA (shared-memory matrix descriptors for the
 // 128-byte-swizzled layouts, fences, wgmma with the A operand in registers, fp32 accumulation).
 //
 // The 128-byte swizzle: a matrix stored as rows of 128 bytes (64 16-bit elements) in atoms of 8
@@ -18,7 +18,7 @@
 
 namespace m3rt::kernels {
 
-// mbarriers (shared::cta), a bulk copy that completes on one, and cp.async completion as an arrival.
+// mbarriers (shared::cta) and a bulk copy that completes on one.
 [[maybe_unused]] __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
 }
@@ -47,19 +47,6 @@ namespace m3rt::kernels {
                "l"(src), "r"(bytes), "r"(smem_u32(bar))
                : "memory");
 }
-// One arrival on `bar` once every cp.async this thread issued so far has landed (the barrier's
-// expected count includes it: .noinc).
-[[maybe_unused]] __device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-// Named barriers (ids 1..15; 0 is __syncthreads): wait for `count` threads, or only count oneself in.
-[[maybe_unused]] __device__ __forceinline__ void named_bar_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-[[maybe_unused]] __device__ __forceinline__ void named_bar_arrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-
 // Generic-proxy shared-memory writes (cp.async, st.shared) ordered before async-proxy reads (wgmma).
 [[maybe_unused]] __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -83,20 +70,17 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t leading_b
 // K-major: 8-row groups 1024 bytes apart (the leading offset is unused for swizzled K-major).
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) { return sw128_desc(addr, 16, 1024); }
 
-#define M3RT_WGMMA_ACC16 \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
-      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 #define M3RT_WGMMA_ACC32 \
-  M3RT_WGMMA_ACC16, "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), \
-      "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), \
-      "+f"(d[31])
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), \
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), \
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 #define M3RT_WGMMA_ACC64 \
   M3RT_WGMMA_ACC32, "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), \
       "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), \
       "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), \
       "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), \
       "+f"(d[63])
-#define M3RT_WGMMA_REGS16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define M3RT_WGMMA_REGS32                                                                                            \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
   "%24, %25, %26, %27, %28, %29, %30, %31}"
@@ -105,7 +89,7 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) { return sw128_des
   "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "   \
   "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
-// d (+)= A B, m64nNk16: A = four 16-bit pair registers per thread (the m16n8k16 A fragment of the
+// d (+)= A B, wgmma m64nNk16 (N = 64 or 128): A = four 16-bit pair registers per thread (the m16n8k16 A fragment of the
 // thread's warp's 16 rows), B by descriptor; kF16 selects f16 over bf16 inputs; kTransB reads B
 // MN-major; kAccumulate false overwrites d.
 #define M3RT_WGMMA_BODY(N, REGS, A0, A1, A2, A3, ACCUM, DESC, TNSP, TYPE, ACC)                                   \
@@ -115,36 +99,23 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) { return sw128_des
                : ACC                                                                                                 \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(int(kAccumulate)), "l"(desc), "n"(int(kTransB)))
 
-template <bool kF16, bool kTransB = false, bool kAccumulate = true>
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
-  if constexpr (kF16)
+template <int N, bool kF16, bool kTransB = false, bool kAccumulate = true>
+__device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc) {
+  static_assert(N == 64 || N == 128, "m64n64k16 and m64n128k16");
+  if constexpr (N == 128 && kF16)
     M3RT_WGMMA_BODY(128, M3RT_WGMMA_REGS64, 64, 65, 66, 67, 68, 69, 70, "f16", M3RT_WGMMA_ACC64);
-  else
+  else if constexpr (N == 128)
     M3RT_WGMMA_BODY(128, M3RT_WGMMA_REGS64, 64, 65, 66, 67, 68, 69, 70, "bf16", M3RT_WGMMA_ACC64);
-}
-
-template <bool kF16, bool kTransB = false, bool kAccumulate = true>
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
-  if constexpr (kF16)
+  else if constexpr (kF16)
     M3RT_WGMMA_BODY(64, M3RT_WGMMA_REGS32, 32, 33, 34, 35, 36, 37, 38, "f16", M3RT_WGMMA_ACC32);
   else
     M3RT_WGMMA_BODY(64, M3RT_WGMMA_REGS32, 32, 33, 34, 35, 36, 37, 38, "bf16", M3RT_WGMMA_ACC32);
 }
 
-template <bool kF16, bool kTransB = false, bool kAccumulate = true>
-__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], const uint32_t (&a)[4], uint64_t desc) {
-  if constexpr (kF16)
-    M3RT_WGMMA_BODY(32, M3RT_WGMMA_REGS16, 16, 17, 18, 19, 20, 21, 22, "f16", M3RT_WGMMA_ACC16);
-  else
-    M3RT_WGMMA_BODY(32, M3RT_WGMMA_REGS16, 16, 17, 18, 19, 20, 21, 22, "bf16", M3RT_WGMMA_ACC16);
-}
-
 #undef M3RT_WGMMA_BODY
 #undef M3RT_WGMMA_REGS64
 #undef M3RT_WGMMA_REGS32
-#undef M3RT_WGMMA_REGS16
 #undef M3RT_WGMMA_ACC64
 #undef M3RT_WGMMA_ACC32
-#undef M3RT_WGMMA_ACC16
 
 }  // namespace m3rt::kernels

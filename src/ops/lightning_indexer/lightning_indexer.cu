@@ -60,7 +60,7 @@ using kernels::smem_u32;
 using kernels::sw128_desc;
 using kernels::wgmma_commit;
 using kernels::wgmma_fence;
-using kernels::wgmma_m64n128k16;
+using kernels::wgmma_m64k16;
 using kernels::wgmma_wait_all;
 
 constexpr int kPage = 128;      // tokens per index-cache page and per scored block
@@ -882,7 +882,7 @@ __global__ void __launch_bounds__(kSm90Threads, kSm90MinBlocks)
       for (int i = 0; i < 64; ++i) d[i] = 0.f;
       wgmma_fence();
 #pragma unroll
-      for (int s = 0; s < 8; ++s) wgmma_m64n128k16<kFp8>(d, a[s], sw128_desc(base + (s / 4) * (kPage * 128) + (s % 4) * 32));
+      for (int s = 0; s < 8; ++s) wgmma_m64k16<128, kFp8>(d, a[s], sw128_desc(base + (s / 4) * (kPage * 128) + (s % 4) * 32));
       wgmma_commit();
       wgmma_wait_all();
       // d[4i + e]: row g + 8 (e / 2), key 8 i + 2 c + (e % 2).

@@ -1,5 +1,5 @@
-// msa_attention tensor-core kernel (sm_80+, tuned on the H200): one kernel for prefill, decode and
-// speculative verify.
+// msa_attention tensor-core kernel (sm_80+, with a wgmma loop on sm_90a; tuned on the H200): one
+// kernel for prefill, decode and speculative verify.
 //
 //   q      [T, Hq, 128] bf16            out [T, Hq, 128] bf16, lse [T, Hq] fp32 (natural log)
 //   cache  [num_blocks, Hkv, 128, 256]  bf16 or e4m3: K in [..., :128], V in [..., 128:]
@@ -24,6 +24,8 @@
 //     key outside [lo, hi)), online softmax in base 2, O += P V with P split into a 16-bit value and
 //     its 16-bit residue (bf16 for bf16 V; f16 and exact f16 V for e4m3). Tiles whose tokens did not
 //     select the chunk are skipped.
+//     On sm_90, groups of more than 64 rows run this step on wgmma instead: two warpgroups of 64
+//     rows, the chunk in the 128-byte swizzle both operands read (wg_chunks, the kWg instances).
 //  5. Key parts merge through shared memory in a fixed order; the group's (O, max, sum) either
 //     becomes the output (one split) or a partial in the plan's scratch, and the last split to
 //     arrive (a per-(group, KV head) counter that it resets) merges the splits in split order; on
@@ -514,10 +516,9 @@ __device__ __forceinline__ void cluster_merge(const ClusterMergeArgs& a) {
 // dims 8 j + 2 c + (e % 2), j < 16.
 constexpr int kWgMaxStages = 8;
 
-#ifndef M3RT_WG_V_LBO
-#define M3RT_WG_V_LBO (kChunkKeys * 128)
-#define M3RT_WG_V_SBO 1024
-#endif
+// V as the MN-major B operand: 64-dim regions kChunkKeys * 128 bytes apart (the descriptor's
+// leading offset), 8-key atoms 1024 bytes apart (its stride offset).
+[[maybe_unused]] constexpr uint32_t kWgVLeading = kChunkKeys * 128, kWgVStride = 1024;
 // 2^x on the MUFU unit alone (subnormal results flush to 0: weights below 2^-126 of the row max).
 [[maybe_unused]] __device__ __forceinline__ float exp2_ftz(float x) {
   float y;
@@ -608,10 +609,10 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
     } else {
       float s[32];
       wgmma_fence();
-      wgmma_m64n64k16<false, false, false>(s, qa[0], sw128_desc(sa));
+      wgmma_m64k16<64, false, false, false>(s, qa[0], sw128_desc(sa));
 #pragma unroll
       for (int ks = 1; ks < 8; ++ks)
-        wgmma_m64n64k16<false>(s, qa[ks], sw128_desc(sa + (ks / 4) * (kChunkKeys * 128) + (ks % 4) * 32));
+        wgmma_m64k16<64, false>(s, qa[ks], sw128_desc(sa + (ks / 4) * (kChunkKeys * 128) + (ks % 4) * 32));
       wgmma_commit();
       // The chunk keys each row sees (empty when its token did not select the chunk).
       const int chunk_pos = u.x * kPage + (cc & 1) * kChunkKeys;
@@ -676,9 +677,9 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
         // V: keys 16 t .. 16 t + 15 (two 8-key atoms), dims in two 64-dim regions 8 KB apart.
-        const uint64_t desc = sw128_desc(sa + 2 * (kChunkKeys * 128) + t * 2048, M3RT_WG_V_LBO, M3RT_WG_V_SBO);
-        wgmma_m64n128k16<kFp8, true>(o, ph[t], desc);
-        wgmma_m64n128k16<kFp8, true>(o, pl[t], desc);
+        const uint64_t desc = sw128_desc(sa + 2 * (kChunkKeys * 128) + t * 2048, kWgVLeading, kWgVStride);
+        wgmma_m64k16<128, kFp8, true>(o, ph[t], desc);
+        wgmma_m64k16<128, kFp8, true>(o, pl[t], desc);
       }
       wgmma_commit();  // left running into the next chunk's Q K^T, whose wait covers it
     }

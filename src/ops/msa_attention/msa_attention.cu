@@ -494,7 +494,7 @@ __device__ __forceinline__ void cluster_merge(const ClusterMergeArgs& a) {
 }
 #endif
 
-// The loop over a CTA's chunks on Hopper tensor cores (the kWg instances: bf16 pages, groups of
+// The loop over a CTA's chunks on Hopper tensor cores (the kWg instances: bf16 or e4m3 pages, groups of
 // more than 64 rows). Warpgroup wg owns rows [64 wg, 64 wg + 64); warp w of the CTA the 16 rows
 // 16 w.., as in the mma.sync loop, so the row ranges, masks and epilogue are shared. Per 64-key
 // chunk and warpgroup: S = Q K^T as 8 wgmma m64n64k16 (Q, natural dim order, in registers; K from

@@ -372,6 +372,25 @@ __device__ __forceinline__ void tile_keys16(TileState& st, const char* q_s, cons
   }
 }
 
+// Chunk c of the page union (64-key half c % 2 of page uniq[c / 2]): the tokens that selected it.
+__device__ __forceinline__ uint32_t chunk_mask(const int4* uniq, int c) {
+  return uint32_t(c & 1 ? uniq[c >> 1].w : uniq[c >> 1].z);
+}
+
+// The chunk keys [lo, hi) each of a lane's two rows sees in a chunk starting at key position
+// chunk_pos (empty when the row's token did not select it); row_lo / row_hi: the rows' visible
+// key ranges, row_token: their tokens (-1: a padding row).
+__device__ __forceinline__ void chunk_row_ranges(uint32_t mask, int chunk_pos, const int (&row_token)[2],
+                                                 const int (&row_lo)[2], const int (&row_hi)[2], int (&lo)[2],
+                                                 int (&hi)[2]) {
+#pragma unroll
+  for (int rs = 0; rs < 2; ++rs) {
+    const bool ok = row_token[rs] >= 0 && ((mask >> row_token[rs]) & 1);
+    lo[rs] = ok ? min(max(row_lo[rs] - chunk_pos, 0), kChunkKeys) : 0;
+    hi[rs] = ok ? min(max(row_hi[rs] - chunk_pos, lo[rs]), kChunkKeys) : 0;
+  }
+}
+
 // A thread's part of loading one chunk (64 key rows of 16-byte pieces): pieces pc = tid % P of rows
 // tid / P + k * (threads / P). Its shared offsets repeat with period 2 in k (the swizzle of row
 // r depends on r & 7), so they are computed once. kSw128 (bf16, the wgmma kernel): the chunk as
@@ -514,8 +533,6 @@ __device__ __forceinline__ void cluster_merge(const ClusterMergeArgs& a) {
 // per scheduler.
 // S layout (per thread): s[4 j + e] = row g + 8 (e / 2), key 8 j + 2 c + (e % 2); O the same with
 // dims 8 j + 2 c + (e % 2), j < 16.
-constexpr int kWgMaxStages = 8;
-
 // V as the MN-major B operand: 64-dim regions kChunkKeys * 128 bytes apart (the descriptor's
 // leading offset), 8-key atoms 1024 bytes apart (its stride offset).
 [[maybe_unused]] constexpr uint32_t kWgVLeading = kChunkKeys * 128, kWgVStride = 1024;
@@ -533,7 +550,7 @@ __device__ __forceinline__ void wg_convert_e4m3(const char* raw, char* image) {
 #pragma unroll
   for (int k = 0; k < kChunkKeys * 16 / kThreads; ++k) {
     const int piece = threadIdx.x + kThreads * k, r = piece / 16, pc = piece % 16;
-    const uint4 v = lds128(raw + r * 256 + ((pc ^ (r & 7)) * 16));
+    const uint4 v = lds128(raw + r * 256 + ((pc ^ swz_e4m3(r)) * 16));
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
     uint32_t h[8];  // dims 16 (pc % 8) .. + 15 of K (pc < 8) or V, as 16-bit pairs
 #pragma unroll
@@ -602,7 +619,7 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
       __syncthreads();
       sa = smem_u32(area + (i % stages) * stage_bytes);
     }
-    const int4 u = uniq[cc >> 1];
+    const int4 u = uniq[cc >> 1];  // {id, page, mask of half 0, mask of half 1}
     const uint32_t mask = uint32_t(cc & 1 ? u.w : u.z);
     if ((mask & wg_tokens) == 0) {
       wgmma_wait<0>();  // the previous P V: its stage is refilled soon
@@ -617,12 +634,7 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
       // The chunk keys each row sees (empty when its token did not select the chunk).
       const int chunk_pos = u.x * kPage + (cc & 1) * kChunkKeys;
       int lo[2], hi[2];
-#pragma unroll
-      for (int rs = 0; rs < 2; ++rs) {
-        const bool ok = row_token[rs] >= 0 && ((mask >> row_token[rs]) & 1);
-        lo[rs] = ok ? min(max(row_lo[rs] - chunk_pos, 0), kChunkKeys) : 0;
-        hi[rs] = ok ? min(max(row_hi[rs] - chunk_pos, lo[rs]), kChunkKeys) : 0;
-      }
+      chunk_row_ranges(mask, chunk_pos, row_token, row_lo, row_hi, lo, hi);
       const bool all_visible = lo[0] == 0 && hi[0] == kChunkKeys && lo[1] == 0 && hi[1] == kChunkKeys;
       wgmma_wait<0>();  // also the previous chunk's P V: o may be rescaled now
       // Mask and online softmax (base 2), as tile_keys16. bf16: the scale is > 0 (validated), so
@@ -685,7 +697,7 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
     }
     if constexpr (kFp8) {
       const int next = cc + 1;
-      if (next < c_end && (next & 1 ? uniq[next >> 1].w : uniq[next >> 1].z) != 0)
+      if (next < c_end && chunk_mask(uniq, next) != 0)
         wg_convert_e4m3<kThreads>(area + ((i + 1) % stages) * stage_bytes, images + ((i + 1) % kWgImages) * kWgImageBytes);
       fence_proxy_async();  // this thread's image writes, visible to the tensor cores
     } else {
@@ -700,8 +712,8 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
 
 // kWarps: 4 (two CTAs per SM) for groups of at most 64 rows, else 8 (one 16-row tile per warp).
 // kCluster: launched as clusters of the splits, which merge through DSMEM (split decode on sm_90+).
-// kWg (sm_90a, bf16, 8 warps): the loop over chunks on wgmma, two warpgroups of 64 rows
-// (wg_chunk); everything before and after it is the same code.
+// kWg (sm_90a, 8 warps): the loop over chunks on wgmma, two warpgroups of 64 rows (wg_chunks);
+// everything before and after it is the same code.
 template <bool kFp8, int kWarps, bool kCluster, bool kWg = false>
 __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
     msa_sparse_kernel(const __grid_constant__ MsaParams p, int stages) {
@@ -908,9 +920,8 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
   const char* cache = static_cast<const char*>(p.cache);
   constexpr int64_t kRowBytes = kFp8 ? 256 : 512;
 
-  auto chunk_mask = [&](int c) { return uint32_t(c & 1 ? uniq[c >> 1].w : uniq[c >> 1].z); };
   auto issue = [&](int c, int slot) {
-    if (c < c_end && chunk_mask(c) != 0) {
+    if (c < c_end && chunk_mask(uniq, c) != 0) {
       const int4 u = uniq[c >> 1];
       const int k0 = u.x * kPage + (c & 1) * kChunkKeys;
       const int64_t first_row = (int64_t(u.y) * p.num_kv_heads + kv_head) * kPage + (c & 1) * kChunkKeys;
@@ -934,17 +945,12 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
       cp_async_wait_dyn(stages - CL);
       __syncthreads();
       const int cc = c + lg;
-      const uint32_t mask = cc < c_end ? chunk_mask(cc) : 0u;
+      const uint32_t mask = cc < c_end ? chunk_mask(uniq, cc) : 0u;
       if ((mask & tile_tokens) != 0) {  // some token of this warp's tile selected the chunk
         const char* stage = area + ((i + lg) % stages) * L.stage_bytes;
         const int chunk_pos = uniq[cc >> 1].x * kPage + (cc & 1) * kChunkKeys;
-        int lo[2], hi[2];  // the chunk keys each lane row sees (empty when its token did not select it)
-#pragma unroll
-        for (int rs = 0; rs < 2; ++rs) {
-          const bool ok = row_token[rs] >= 0 && ((mask >> row_token[rs]) & 1);
-          lo[rs] = ok ? min(max(row_lo[rs] - chunk_pos, 0), kChunkKeys) : 0;
-          hi[rs] = ok ? min(max(row_hi[rs] - chunk_pos, lo[rs]), kChunkKeys) : 0;
-        }
+        int lo[2], hi[2];
+        chunk_row_ranges(mask, chunk_pos, row_token, row_lo, row_hi, lo, hi);
         for (int sub = 0; sub < keys_per_part / 16; ++sub) {
           const int key0 = key_base + sub * 16;
           tile_keys16<kFp8>(st, q_s, stage + key0 * kRowBytes, off, key0, lo, hi, scale_log2);
@@ -1115,7 +1121,7 @@ bool g_force_baseline = false;
 // The kernel instance and its shared memory for a call. A grid no larger than the GPU (one CTA per
 // SM) or groups of more than 64 rows: 8 warps, one CTA per SM, as many 64-key stages as fit (at
 // most 8); with at most 4 tiles those 8 warps work on two chunks at a time. Otherwise 4 warps and
-// two CTAs per SM, their stages split accordingly (at least 2). On sm_90 with bf16 pages, groups
+// two CTAs per SM, their stages split accordingly (at least 2). On sm_90, groups
 // of more than 64 rows run the wgmma loop (kWg; M3RT_MSA_WGMMA=0 keeps mma.sync, for benchmarks).
 using KernelFn = void (*)(MsaParams, int);
 struct KernelConfig {
@@ -1161,7 +1167,7 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
   if (stages < min_stages)
     throw Error("msa_attention: a group of " + std::to_string(tg) + " tokens x topk " + std::to_string(topk) +
                 " needs more shared memory than this GPU has");
-  cfg.stages = std::min(stages, wg ? kWgMaxStages : 8);
+  cfg.stages = std::min(stages, 8);
   cfg.smem = smem_layout(fp8, cfg.stages, tg, G, topk, max_blocks, warps, images).total + slack;
   // Raise the kernel's dynamic shared memory limit (a per-device function attribute) when a call
   // needs more than any before on this device; calls may come from several host threads.

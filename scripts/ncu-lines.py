@@ -42,7 +42,7 @@ def main():
     for (f, line), v in per_line.most_common(top):
         if f not in files:
             try:
-                files[f] = open(next(p for p in sys.argv[3:] if p.endswith(f))).read().split("\n")
+                files[f] = open(next(p for p in sys.argv[3:] if p.split("/")[-1] == f)).read().split("\n")
             except (StopIteration, OSError):
                 files[f] = []
         src = files[f][line - 1].strip() if 0 < line <= len(files[f]) else ""

@@ -104,23 +104,24 @@ __device__ __forceinline__ float half_warp_sum(float v, unsigned mask) {
 }
 
 // Gemma RMSNorm of one head in place: x * (1 / sqrt(mean(x^2) + eps)) * (1 + w), fp32.
-// `w_raw` holds this lane's 8 bf16 weights (gemma_weight_lane), kept packed to save registers.
-__device__ __forceinline__ void gemma_norm_head(float (&x)[8], const uint4& w_raw, float eps,
+// `w1` holds this lane's 8 factors 1 + w (gemma_weight_lane), computed once per kernel.
+__device__ __forceinline__ void gemma_norm_head(float (&x)[8], const float (&w1)[8], float eps,
                                                 unsigned mask) {
   float ss = 0.f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) ss = __fadd_rn(ss, __fmul_rn(x[i], x[i]));
   ss = half_warp_sum(ss, mask);
   const float inv_rms = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fmul_rn(ss, 1.f / 128.f), eps)));
-  float w[8];
-  unpack_bf16x8(w_raw, w);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], inv_rms), __fadd_rn(1.f, w[i]));
+  for (int i = 0; i < 8; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], inv_rms), w1[i]);
 }
 
-// A lane's 8 bf16 norm weights (16 bytes).
-__device__ __forceinline__ uint4 gemma_weight_lane(const __nv_bfloat16* w_lane) {
-  return __ldg(reinterpret_cast<const uint4*>(w_lane));
+// A lane's 8 norm factors 1 + w (fp32, rounded like the reference's 1.f + w) from its 8 bf16
+// weights.
+__device__ __forceinline__ void gemma_weight_lane(const __nv_bfloat16* w_lane, float (&w1)[8]) {
+  unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(w_lane)), w1);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) w1[i] = __fadd_rn(1.f, w1[i]);
 }
 
 // The cos/sin a lane needs for partial NeoX RoPE (R = kRotaryDim): dim i pairs with i + R/2 for
@@ -167,14 +168,28 @@ __device__ __forceinline__ void rope_neox_head(float (&x)[8], int j, const RopeL
 }
 
 // Asynchronous global -> shared copies (cp.async, sm_80+): the bytes in flight occupy no
-// registers, so a kernel can keep the next work item's rows loading while it computes.
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+// registers, so a kernel can keep the next work item's rows loading while it computes. The
+// overloads taking a 32-bit shared address (smem_addr) let a loop compute it once.
+__device__ __forceinline__ uint32_t smem_addr(const void* smem) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 }
-__device__ __forceinline__ void cp_async_8(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem));
+__device__ __forceinline__ void cp_async_16(uint32_t smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_8(uint32_t smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) { cp_async_16(smem_addr(smem), gmem); }
+__device__ __forceinline__ void cp_async_8(void* smem, const void* gmem) { cp_async_8(smem_addr(smem), gmem); }
+
+// One 16-byte (8-byte) global store. A plain `*(uint4*)p = v` of a value assembled from scalars
+// can reach the PTX as four 4-byte stores (seen for pack_bf16x8's results); these cannot.
+__device__ __forceinline__ void store16(void* gmem, const uint4& v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(gmem), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w) : "memory");
+}
+__device__ __forceinline__ void store8(void* gmem, const uint2& v) {
+  asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(gmem), "r"(v.x), "r"(v.y) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Waits until at most `kPending` of this thread's committed groups are still in flight.
@@ -197,9 +212,9 @@ template <bool kFp8>
 __device__ __forceinline__ void store_cache_lane(void* cache, int64_t elem_offset,
                                                  const float (&x)[8], const E4m3Quantizer& quant) {
   if constexpr (kFp8) {
-    *reinterpret_cast<uint2*>(static_cast<uint8_t*>(cache) + elem_offset) = quant(x);
+    store8(static_cast<uint8_t*>(cache) + elem_offset, quant(x));
   } else {
-    *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(cache) + elem_offset) = pack_bf16x8(x);
+    store16(static_cast<__nv_bfloat16*>(cache) + elem_offset, pack_bf16x8(x));
   }
 }
 
@@ -212,7 +227,15 @@ __device__ __forceinline__ void store_cache_copy(void* cache, int64_t elem_offse
     unpack_bf16x8(raw, x);
     store_cache_lane<true>(cache, elem_offset, x, quant);
   } else {
-    *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(cache) + elem_offset) = raw;
+    store16(static_cast<__nv_bfloat16*>(cache) + elem_offset, raw);
+  }
+}
+
+// Host: kernels that index in 32 bits refuse larger sizes (none fits in a GPU's memory today).
+inline void require_below_2_31(const char* launcher, const char* what, int64_t value) {
+  if (value < 0 || value >= (int64_t(1) << 31)) {
+    throw Error(std::string(launcher) + ": " + what + " " + std::to_string(value) +
+                " is out of range (supported: below 2^31)");
   }
 }
 

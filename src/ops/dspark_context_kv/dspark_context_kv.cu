@@ -27,7 +27,7 @@ constexpr int kThreads = 256;
 // memory, so occupancy matters less than the pipeline depth: 4 blocks x 2 runs ahead x 8 KB = 64 KB
 // of loads in flight per SM, about what the H200's bandwidth-latency product asks for.
 constexpr int kMinBlocksPerSm = 4;
-constexpr int kStages = 3;  // the run being computed and two in flight
+constexpr int kStages = 3;  // the run being computed and two in flight (4 and 5 measured slower)
 constexpr int kTokensPerRun = kThreads / kernels::kLanesPerHead;  // one token per half-warp
 constexpr unsigned kMaxGridY = 65535;
 
@@ -44,18 +44,25 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   __shared__ Stage stages[kStages];  // 8.25 KB each
   // blockIdx.x: one (layer, kv head) pair, fastest, so the blocks running together read whole
   // all_kv rows; blockIdx.y: the first of the runs of 16 tokens this block walks (stride
-  // gridDim.y). No 64-bit divisions.
+  // gridDim.y). Token indices are 32-bit (the launcher checks the sizes); the prefetch walks
+  // pointers by a fixed step.
   const int l = int(blockIdx.x) / p.num_kv_heads;
   const int h = int(blockIdx.x) - l * p.num_kv_heads;
   const int j = threadIdx.x % kLanesPerHead;
   const int tok = threadIdx.x / kLanesPerHead;  // the half-warp's token within a run
-  const uint16_t* k_src = p.all_kv + (int64_t(l) * 2 * p.num_kv_heads + h) * 128 + j * kDimsPerLane;
-  const uint16_t* v_src = k_src + int64_t(p.num_kv_heads) * 128;
-  const int64_t elem_size = kFp8 ? 1 : 2;
-  void* cache = static_cast<char*>(p.cache0) + p.tables.cache_offsets[l] * elem_size;
+  const int num_ctx = int(p.num_ctx);
+  const int run_step = int(gridDim.y) * kTokensPerRun;  // tokens between a block's runs
+  const int64_t src_step = int64_t(run_step) * p.stride_all_kv_t;
+  const int64_t v_offset = int64_t(p.num_kv_heads) * 128;
+  constexpr int kElemBytes = kFp8 ? 1 : 2;
+  // This lane's 8 elements of head h of layer l's cache, at slot 0.
+  char* cache_lane = static_cast<char*>(p.cache0) +
+                     (p.tables.cache_offsets[l] + h * p.stride_cache_head + j * kDimsPerLane) * kElemBytes;
+  const uint32_t block_bytes = uint32_t(p.stride_cache_block) * kElemBytes;
+  const uint32_t offset_mask = (1u << p.block_size_log2) - 1;
   const auto* table = reinterpret_cast<const __nv_bfloat16*>(p.cos_sin);
-  const uint4 w_raw = gemma_weight_lane(reinterpret_cast<const __nv_bfloat16*>(p.k_norm_weight) +
-                                        l * 128 + j * kDimsPerLane);
+  float w1[8];
+  gemma_weight_lane(reinterpret_cast<const __nv_bfloat16*>(p.k_norm_weight) + l * 128 + j * kDimsPerLane, w1);
   E4m3Quantizer k_q, v_q;
   if constexpr (kFp8) {
     k_q = E4m3Quantizer(__ldg(p.scale0 + p.tables.scale_offsets[l]));
@@ -63,57 +70,65 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   }
   // Each lane copies (and later reads) its own 16 bytes of the rows; lane 0 of a half-warp copies
   // the token's slot and position, read by the half-warp after a __syncwarp.
-  auto prefetch = [&](int64_t run, Stage& st) {
-    const int64_t t = run * kTokensPerRun + tok;
-    if (t < p.num_ctx) {
-      cp_async_16(&st.rows[tok][0][j], k_src + t * p.stride_all_kv_t);
-      cp_async_16(&st.rows[tok][1][j], v_src + t * p.stride_all_kv_t);
+  const uint32_t rows_smem = smem_addr(&stages[0].rows[tok][0][j]);
+  const uint32_t idx_smem = smem_addr(&stages[0].idx[tok][0]);
+  int t_pref = int(blockIdx.y) * kTokensPerRun + tok;  // this lane's token of the next copy
+  const uint16_t* src = p.all_kv + (int64_t(l) * 2 * p.num_kv_heads + h) * 128 + j * kDimsPerLane +
+                        int64_t(t_pref) * p.stride_all_kv_t;
+  auto prefetch = [&](int stage) {
+    if (t_pref < num_ctx) {
+      cp_async_16(rows_smem + stage * sizeof(Stage), src);
+      cp_async_16(rows_smem + stage * sizeof(Stage) + sizeof(uint4) * kLanesPerHead, src + v_offset);
       if (j == 0) {
-        cp_async_8(&st.idx[tok][0], p.slots + t);
-        cp_async_8(&st.idx[tok][1], p.positions + t);
+        cp_async_8(idx_smem + stage * sizeof(Stage), p.slots + t_pref);
+        cp_async_8(idx_smem + stage * sizeof(Stage) + 8, p.positions + t_pref);
       }
     }
     cp_async_commit();  // an empty group past the end keeps the wait counts uniform
+    t_pref += run_step;
+    src += src_step;
   };
-
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) prefetch(blockIdx.y + int64_t(i) * gridDim.y, stages[i]);
+  for (int i = 0; i < kStages - 1; ++i) prefetch(i);
   int cur = 0;
   // The loop bound is block-uniform and nothing below branches around the shuffles, so each warp
   // stays converged and shuffles with the full mask (xor distances < 16 stay in each half).
-  for (int64_t run = blockIdx.y; run * kTokensPerRun < p.num_ctx;
-       run += gridDim.y, cur = (cur + 1) % kStages) {
-    prefetch(run + int64_t(kStages - 1) * gridDim.y, stages[(cur + kStages - 1) % kStages]);
+  for (int t0 = int(blockIdx.y) * kTokensPerRun; t0 < num_ctx; t0 += run_step, cur = (cur + 1) % kStages) {
+    prefetch((cur + kStages - 1) % kStages);
     cp_async_wait<kStages - 1>();  // this run's copies have landed
     __syncwarp();
     const Stage& st = stages[cur];
-    const int64_t t = run * kTokensPerRun + tok;
-    const bool in_range = t < p.num_ctx;
-    const int64_t slot = in_range ? st.idx[tok][0] : -1;
-    const int64_t pos = in_range ? st.idx[tok][1] : 0;
     // Padding (slot < 0), slots past the cache and positions past the table: not written.
-    const bool write = slot >= 0 && slot < p.num_slots && pos >= 0 && pos < p.max_pos;
+    const int64_t slot = st.idx[tok][0], pos = st.idx[tok][1];
+    const bool write = t0 + tok < num_ctx && uint64_t(slot) < uint64_t(p.num_slots) &&
+                       uint64_t(pos) < uint64_t(p.max_pos);
     RopeLane rope{};
-    if (rope_lane_rotates<kRotaryDim>(j)) rope = load_rope_lane<kRotaryDim>(j, table + (write ? pos : 0) * kRotaryDim);
+    if (rope_lane_rotates<kRotaryDim>(j)) rope = load_rope_lane<kRotaryDim>(j, table + (write ? int(pos) : 0) * kRotaryDim);
     // V copied; K normed in fp32, materialized to bf16, rotated in fp32, rounded; both halves of
     // one contiguous cache row.
-    const int64_t row = cache_row_offset(write ? slot : 0, p.block_size_log2, p.stride_cache_block,
-                                         p.stride_cache_head, h) + j * kDimsPerLane;
-    if (write) store_cache_copy<kFp8>(cache, row + 128, st.rows[tok][1][j], v_q);
+    const uint32_t slot32 = write ? uint32_t(slot) : 0u;
+    char* row = cache_lane + uint64_t(slot32 >> p.block_size_log2) * block_bytes +
+                ((slot32 & offset_mask) * 256u) * kElemBytes;
+    if (write) store_cache_copy<kFp8>(row + 128 * kElemBytes, 0, st.rows[tok][1][j], v_q);
     float x[8];
     unpack_bf16x8(st.rows[tok][0][j], x);
-    gemma_norm_head(x, w_raw, p.eps, kFullMask);
+    gemma_norm_head(x, w1, p.eps, kFullMask);
     round_bf16x8(x);
     rope_neox_head<kRotaryDim>(x, j, rope, kFullMask);
     round_bf16x8(x);
-    if (write) store_cache_lane<kFp8>(cache, row, x, k_q);
-    __syncwarp();  // every lane has read this stage's indices before lane 0 refills it
+    if (write) store_cache_lane<kFp8>(row, 0, x, k_q);
+    __syncwarp();  // every lane has read this stage before it is refilled
   }
   cp_async_wait<0>();
 }
 
 template <int kRotaryDim, bool kFp8>
 void launch(const DsparkContextKvParams& p, cudaStream_t stream) {
+  // The kernel indexes tokens, slots, positions and a block's bytes in 32 bits.
+  kernels::require_below_2_31("dspark_context_kv_launch", "num_ctx", p.num_ctx);
+  kernels::require_below_2_31("dspark_context_kv_launch", "num_blocks * block_size", p.num_slots);
+  kernels::require_below_2_31("dspark_context_kv_launch", "cos_sin_cache rows", p.max_pos);
+  kernels::require_below_2_31("dspark_context_kv_launch", "cache block stride", p.stride_cache_block * 2);
   // Enough blocks to fill the GPU once (each then walks several runs, prefetching the next while
   // computing the current), but no more than there are runs.
   const int resident = detail::multiprocessor_count() * kMinBlocksPerSm;

@@ -213,9 +213,10 @@ __global__ void __launch_bounds__(kThreads) gemma_rms_norm_head_kernel(const __g
   auto* out = static_cast<uint16_t*>(p.out) + a * p.out_s0 + b * p.out_s1 + j * kDimsPerLane;
   float v[8];
   unpack_bf16x8(*reinterpret_cast<const uint4*>(x), v);
-  const uint4 w_raw = gemma_weight_lane(static_cast<const __nv_bfloat16*>(p.weight) + j * kDimsPerLane);
-  gemma_norm_head(v, w_raw, p.eps, mask);
-  *reinterpret_cast<uint4*>(out) = pack_bf16x8(v);
+  float w1[8];
+  gemma_weight_lane(static_cast<const __nv_bfloat16*>(p.weight) + j * kDimsPerLane, w1);
+  gemma_norm_head(v, w1, p.eps, mask);
+  store16(out, pack_bf16x8(v));
 }
 
 bool head_path_applies(const GemmaRmsNormParams& p) {

@@ -27,7 +27,9 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kItemsPerBlock = kThreads / 32;  // one head item per warp
 constexpr int kTokensPerStep = 2;              // one token per half-warp
-constexpr int kMinBlocksPerSm = 4;             // up to 64 registers a thread
+// Resident blocks per SM: 4 (up to 64 registers a thread); the fp8 insert, which also holds its
+// quantizer, 3 (at 64 it spilled).
+constexpr int min_blocks_per_sm(QkvInsertMode insert) { return insert == QkvInsertMode::kFp8 ? 3 : 4; }
 constexpr int kStages = 3;                     // the step being computed and two in flight
 constexpr unsigned kMaxGridY = 65535;
 
@@ -38,9 +40,9 @@ __device__ __forceinline__ void store_index_lane(void* base, int64_t elem_offset
   if (fp8) {
     float x[8];
     kernels::unpack_bf16x8(raw, x);
-    *reinterpret_cast<uint2*>(static_cast<uint8_t*>(base) + elem_offset) = kernels::pack_e4m3x8(x);
+    kernels::store8(static_cast<uint8_t*>(base) + elem_offset, kernels::pack_e4m3x8(x));
   } else {
-    *reinterpret_cast<uint4*>(static_cast<uint16_t*>(base) + elem_offset) = raw;
+    kernels::store16(static_cast<uint16_t*>(base) + elem_offset, raw);
   }
 }
 
@@ -51,11 +53,12 @@ struct WarpStage {
 };
 
 template <int kRotaryDim, QkvInsertMode kInsert>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
+__global__ void __launch_bounds__(kThreads, min_blocks_per_sm(kInsert))
     qknorm_rope_kv_insert_kernel(const __grid_constant__ QknormRopeKvInsertParams p) {
   using namespace kernels;
   constexpr bool kHasInsert = kInsert != QkvInsertMode::kNone;
   constexpr bool kFp8 = kInsert == QkvInsertMode::kFp8;
+  constexpr int kCacheElemBytes = kFp8 ? 1 : 2;
   __shared__ WarpStage stages[kStages][kItemsPerBlock];  // 3 x 8 x 544 bytes
   const int nq = p.num_heads, nkv = p.num_kv_heads, nidx = p.num_index_heads;
   const int main_items = nq + nkv * (kHasInsert ? 2 : 1);
@@ -64,6 +67,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   // cover whole qkv rows; blockIdx.y: the first token pair this block walks (stride gridDim.y).
   // Both halves of a warp work on the same item, so the warp stays converged and shuffles with
   // the full mask. Rows and indices of the next two steps load (cp.async) while one computes.
+  // Token indices are 32-bit (the launcher checks the sizes).
   const int w = int(threadIdx.x) / 32;
   const int s = int(blockIdx.x) * kItemsPerBlock + w;
   if (s >= items) return;  // warp-uniform; no block-wide barrier follows
@@ -79,102 +83,121 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   // always, from its own slot mapping.
   const bool has_slot = kHasInsert || is_ik;
   const int64_t* slots = is_ik ? p.index_slots : p.slots;
-  const int64_t num_slots = is_ik ? p.index_num_slots : p.num_slots;
+  const uint64_t num_slots = uint64_t(is_ik ? p.index_num_slots : p.num_slots);
+  const int num_tokens = int(p.num_tokens);
+  const uint32_t stride_t = uint32_t(p.stride_qkv_t);
+  const int step_tokens = int(gridDim.y) * kTokensPerStep;
   const auto* table = reinterpret_cast<const __nv_bfloat16*>(p.cos_sin);
   const uint16_t* norm_w = is_q ? p.q_norm_weight : !is_index ? p.k_norm_weight
                            : is_iq ? p.index_q_norm_weight : p.index_k_norm_weight;
-  const uint4 w_raw = is_v ? uint4{} : gemma_weight_lane(reinterpret_cast<const __nv_bfloat16*>(norm_w) +
-                                                         j * kDimsPerLane);
+  float w1[8] = {};
+  if (!is_v) gemma_weight_lane(reinterpret_cast<const __nv_bfloat16*>(norm_w) + j * kDimsPerLane, w1);
   E4m3Quantizer quant;
   if constexpr (kFp8) {
     if (!is_index) quant = E4m3Quantizer(__ldg(is_v ? p.v_scale : p.k_scale));
   }
-  auto prefetch = [&](int64_t step, WarpStage& st) {
-    const int64_t t = step * kTokensPerStep + half;
-    if (t < p.num_tokens) {
-      cp_async_16(&st.rows[half][j], p.qkv + t * p.stride_qkv_t + int64_t(col) * 128 + j * kDimsPerLane);
+  // This lane's 8 elements of the item's head in token 0's qkv row; of its kv head's cache row
+  // half at slot 0 (main items with an insert).
+  uint16_t* const qkv_lane = p.qkv + int64_t(col) * 128 + j * kDimsPerLane;
+  char* cache_lane = nullptr;
+  if (kHasInsert && !is_q && !is_index) {
+    const int kv_head = is_v ? s - nq - nkv : s - nq;
+    cache_lane = static_cast<char*>(p.cache) +
+                 (int64_t(kv_head) * p.stride_cache_head + (is_v ? 128 : 0) + j * kDimsPerLane) * kCacheElemBytes;
+  }
+  const uint32_t block_bytes = uint32_t(p.stride_cache_block) * kCacheElemBytes;
+  const uint32_t offset_mask = (1u << p.block_size_log2) - 1;
+  const uint32_t rows_smem = smem_addr(&stages[0][w].rows[half][j]);
+  const uint32_t idx_smem = smem_addr(&stages[0][w].idx[half][0]);
+  int t_pref = int(blockIdx.y) * kTokensPerStep + half;  // this lane's token of the next copy
+  auto prefetch = [&](int stage) {
+    if (t_pref < num_tokens) {
+      cp_async_16(rows_smem + stage * sizeof(stages[0]), qkv_lane + uint64_t(uint32_t(t_pref)) * stride_t);
       if (j == 0) {
-        cp_async_8(&st.idx[half][0], p.positions + t);
-        if (has_slot) cp_async_8(&st.idx[half][1], slots + t);
+        cp_async_8(idx_smem + stage * sizeof(stages[0]), p.positions + t_pref);
+        if (has_slot) cp_async_8(idx_smem + stage * sizeof(stages[0]) + 8, slots + t_pref);
       }
     }
     cp_async_commit();  // an empty group past the end keeps the wait counts uniform
+    t_pref += step_tokens;
   };
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) prefetch(blockIdx.y + int64_t(i) * gridDim.y, stages[i][w]);
+  for (int i = 0; i < kStages - 1; ++i) prefetch(i);
 
   int cur = 0;
-  for (int64_t step = blockIdx.y; step * kTokensPerStep < p.num_tokens;
-       step += gridDim.y, cur = (cur + 1) % kStages) {
-    prefetch(step + int64_t(kStages - 1) * gridDim.y, stages[(cur + kStages - 1) % kStages][w]);
+  for (int t0 = int(blockIdx.y) * kTokensPerStep; t0 < num_tokens; t0 += step_tokens, cur = (cur + 1) % kStages) {
+    prefetch((cur + kStages - 1) % kStages);
     cp_async_wait<kStages - 1>();  // this step's copies have landed
     __syncwarp();
     const WarpStage& st = stages[cur][w];
-    const int64_t t = step * kTokensPerStep + half;
-    const bool in_range = t < p.num_tokens;
-    const int64_t pos = in_range ? st.idx[half][0] : -1;
-    const int64_t slot = in_range && has_slot ? st.idx[half][1] : -1;
+    const int t = t0 + half;
+    const int64_t pos = st.idx[half][0], slot = st.idx[half][1];
     const uint4 raw = st.rows[half][j];
     __syncwarp();  // every lane has read this stage before lane 0 refills it
     // A token past the end or whose position lies outside the RoPE table is not written.
-    const bool write = pos >= 0 && pos < p.max_pos;
-    const bool write_cache = write && has_slot && slot >= 0 && slot < num_slots;
-    uint16_t* head = p.qkv + t * p.stride_qkv_t + int64_t(col) * 128 + j * kDimsPerLane;
+    const bool write = t < num_tokens && uint64_t(pos) < uint64_t(p.max_pos);
+    const bool write_cache = write && has_slot && uint64_t(slot) < num_slots;
+    const uint32_t slot32 = uint32_t(slot);
+    uint16_t* head = qkv_lane + uint64_t(uint32_t(t)) * stride_t;
+    char* cache_row = cache_lane + uint64_t(slot32 >> p.block_size_log2) * block_bytes +
+                      ((slot32 & offset_mask) * 256u) * kCacheElemBytes;
     if (is_v) {  // warp-uniform
       // V item (insert only): copied to the cache, never changed in qkv.
-      if (write_cache) {
-        const int64_t row = cache_row_offset(slot, p.block_size_log2, p.stride_cache_block,
-                                             p.stride_cache_head, s - nq - nkv);
-        store_cache_copy<kFp8>(p.cache, row + 128 + j * kDimsPerLane, raw, quant);
-      }
+      if (write_cache) store_cache_copy<kFp8>(cache_row, 0, raw, quant);
       continue;
     }
     // Q, K, index_q or index_k item: norm and rope in fp32, one rounding.
     RopeLane rope{};
-    if (rope_lane_rotates<kRotaryDim>(j)) rope = load_rope_lane<kRotaryDim>(j, table + (write ? pos : 0) * kRotaryDim);
+    if (rope_lane_rotates<kRotaryDim>(j)) rope = load_rope_lane<kRotaryDim>(j, table + (write ? int(pos) : 0) * kRotaryDim);
     float x[8];
     unpack_bf16x8(raw, x);
-    gemma_norm_head(x, w_raw, p.eps, kFullMask);
+    gemma_norm_head(x, w1, p.eps, kFullMask);
     rope_neox_head<kRotaryDim>(x, j, rope, kFullMask);
     const uint4 out = pack_bf16x8(x);
     if (!write) continue;
     if (is_q) {
-      const int64_t o = t * int64_t(nq) * 128 + int64_t(s) * 128 + j * kDimsPerLane;
-      if (p.q_out) *reinterpret_cast<uint4*>(p.q_out + o) = out;
+      const int64_t o = int64_t(t) * (nq * 128) + s * 128 + j * kDimsPerLane;
+      if (p.q_out) store16(p.q_out + o, out);
       if (p.q_fp8_out) {
         float q[8];
         unpack_bf16x8(out, q);  // the bf16-rounded q
 #pragma unroll
         for (int e = 0; e < 8; ++e) q[e] = __fmul_rn(q[e], p.q_fp8_inv_scale);
-        *reinterpret_cast<uint2*>(p.q_fp8_out + o) = pack_e4m3x8(q);
+        store8(p.q_fp8_out + o, pack_e4m3x8(q));
       }
-      if (p.q_in_place) *reinterpret_cast<uint4*>(head) = out;
+      if (p.q_in_place) store16(head, out);
       continue;
     }
     if (is_index) {  // warp-uniform: a sparse row's index head; bf16, or e4m3(bf16 value) unscaled
       if (is_iq) {  // only to index_q_out, never back into qkv
-        const int64_t o = (t * nidx + (s - main_items)) * 128 + j * kDimsPerLane;
+        const int64_t o = (int64_t(t) * nidx + (s - main_items)) * 128 + j * kDimsPerLane;
         store_index_lane(p.index_q_out, o, out, p.index_fp8);
         continue;
       }
       // index_k: back into qkv, and into the index cache at row `slot` (block slot / 128).
-      *reinterpret_cast<uint4*>(head) = out;
-      if (write_cache) store_index_lane(p.index_cache, slot * 128 + j * kDimsPerLane, out, p.index_fp8);
+      store16(head, out);
+      if (write_cache) store_index_lane(p.index_cache, int64_t(slot32) * 128 + j * kDimsPerLane, out, p.index_fp8);
       continue;
     }
-    *reinterpret_cast<uint4*>(head) = out;
-    if (write_cache) {
-      const int64_t row = cache_row_offset(slot, p.block_size_log2, p.stride_cache_block,
-                                           p.stride_cache_head, s - nq);
-      store_cache_copy<kFp8>(p.cache, row + j * kDimsPerLane, out, quant);
-    }
+    store16(head, out);
+    if (write_cache) store_cache_copy<kFp8>(cache_row, 0, out, quant);
   }
   cp_async_wait<0>();
 }
 
 template <int kRotaryDim, QkvInsertMode kInsert>
 void launch(const QknormRopeKvInsertParams& p, cudaStream_t stream) {
-  const int resident = detail::multiprocessor_count() * kMinBlocksPerSm;
+  // The kernel indexes tokens, slots, positions, a qkv row and a cache block's bytes in 32 bits.
+  const char* kName = "qknorm_rope_kv_insert_launch";
+  kernels::require_below_2_31(kName, "num_tokens", p.num_tokens);
+  kernels::require_below_2_31(kName, "qkv row stride", p.stride_qkv_t);
+  kernels::require_below_2_31(kName, "cos_sin_cache rows", p.max_pos);
+  if (kInsert != QkvInsertMode::kNone) {
+    kernels::require_below_2_31(kName, "num_blocks * block_size", p.num_slots);
+    kernels::require_below_2_31(kName, "cache block stride", p.stride_cache_block * 2);
+  }
+  if (p.num_index_heads > 0) kernels::require_below_2_31(kName, "index cache rows", p.index_num_slots);
+  const int resident = detail::multiprocessor_count() * min_blocks_per_sm(kInsert);
   const int items = p.num_heads + p.num_kv_heads * (kInsert != QkvInsertMode::kNone ? 2 : 1) +
                     (p.num_index_heads > 0 ? p.num_index_heads + 1 : 0);
   const int x_blocks = (items + kItemsPerBlock - 1) / kItemsPerBlock;

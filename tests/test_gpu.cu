@@ -111,10 +111,10 @@ __global__ void quantizer_kernel(const float* scales, int num_scales, unsigned l
     const float want = __fdiv_rn(x, scales[si]);
     const uint8_t want_code = __nv_cvt_float_to_fp8(want, __NV_SATFINITE, __NV_E4M3);
     const uint8_t got_code = __nv_cvt_float_to_fp8(quant.quotient(x), __NV_SATFINITE, __NV_E4M3);
-    // The 8-wide path the kernels call, with x in several slots and its neighbours around it.
-    const float xs[8] = {x, x, -x, x, x * 0.5f, x, x, x};
-    const uint2 codes = quant(xs);
-    const bool vec_ok = (codes.x & 0xff) == want_code && (codes.y >> 24) == want_code;
+    // The 8-wide path the kernels call (bf16 bits), with x in several slots and its neighbours.
+    const uint32_t xb = b, nb = b ^ 0x8000u, hb = __float_as_uint(x * 0.5f) >> 16;
+    const uint2 codes = quant(make_uint4(xb | (xb << 16), nb | (xb << 16), hb | (xb << 16), xb | (xb << 16)));
+    const bool vec_ok = (codes.x & 0xff) == want_code && (codes.x >> 24) == want_code && (codes.y >> 24) == want_code;
     if (got_code != want_code || !vec_ok) {
       atomicAdd(mismatches, 1ull);
       atomicCAS(first, 0xffffffffu, (unsigned(si) << 16) | b);

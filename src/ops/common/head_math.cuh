@@ -63,35 +63,60 @@ __device__ __forceinline__ uint2 pack_e4m3x8(const float (&x)[8]) {
   return make_uint2(w[0], w[1]);
 }
 
-// e4m3(RN(x / scale)), as the reference computes it, without an IEEE division per element: with
-// r = RN(1/scale) (once per scale), q = RN(x r) is within an ulp of x / scale, and one correction
-// q + (x - q scale) r (Markstein's step, the residual exact by FMA) gives RN(x / scale) when nothing
-// over- or underflows — guaranteed for scale in [2^-60, 2^60] and |q| in [2^-12, 2^10]. Outside that
-// range of q the e4m3 code is decided without the exact quotient: |x / scale| < 2^-10 rounds to a
-// signed zero and > 464 saturates, so q itself (same sign, same side) gives the same code. A scale
-// outside [2^-60, 2^60] takes the IEEE division. tests/test_gpu.cu checks the codes against
-// __fdiv_rn for every bf16 x and 4015 scales.
+// e4m3(RN(x / scale)), as the reference computes it, without an IEEE division per element. With
+// r = RN(1/scale) (once per scale) q = RN(x r) is within an ulp of x / scale, and one correction
+// c = q - (q scale - x) r (Markstein's step, the residual exact by FMA) gives RN(x / scale) when
+// nothing over- or underflows: for scale in [2^-60, 2^60] and |q| in [2^-12, 2^10]. Outside that
+// range of q the e4m3 code needs no exact quotient: |x / scale| < 2^-10 rounds to a signed zero and
+// > 464 saturates, and c keeps the quotient's sign there (the residual's form keeps a zero's sign);
+// so only an overflowing q (an infinite c - c) must be avoided: x is first clamped to +-B,
+// B = 1024 |scale| rounded up to bf16, which changes no code (|x| > B saturates either way). Three
+// cases, chosen once per scale: a power-of-two scale (x r is exact: q is the quotient), the
+// correction, and a scale outside [2^-60, 2^60] (the IEEE division). tests/test_gpu.cu checks the
+// codes against __fdiv_rn for every bf16 x and 4015 scales, through both entry points.
 struct E4m3Quantizer {
+  enum Mode : uint32_t { kPow2, kCorrect, kDivide };
   float scale = 1.f, inv = 1.f;
-  bool exact_fast = true;  // scale in [2^-60, 2^60]
+  uint32_t bound2 = 0x7f807f80u;  // B as bf16x2 (both halves)
+  Mode mode = kPow2;
   E4m3Quantizer() = default;
   __device__ explicit E4m3Quantizer(float s) {
     scale = s;
     inv = __frcp_rn(s);
-    exact_fast = fabsf(s) >= 0x1p-60f && fabsf(s) <= 0x1p60f;
+    const float a = fabsf(s);
+    mode = !(a >= 0x1p-60f && a <= 0x1p60f) ? kDivide : (__float_as_uint(a) & 0x7fffffu) == 0 ? kPow2 : kCorrect;
+    const uint32_t b = (__float_as_uint(1024.f * a) + 0xffffu) >> 16;  // rounded up to bf16
+    bound2 = b | (b << 16);
   }
-  // A float whose e4m3 code equals that of RN(x / scale).
-  __device__ __forceinline__ float quotient(float x) const {
-    if (!exact_fast) return __fdiv_rn(x, scale);
+  // The quotient's stand-in for a finite or NaN x with |x| <= B (kCorrect), or any x (other modes).
+  __device__ __forceinline__ float quotient_clamped(float x) const {
+    if (mode == kDivide) return __fdiv_rn(x, scale);
     const float q = __fmul_rn(x, inv);
-    const float aq = fabsf(q);
-    const float corrected = __fmaf_rn(__fmaf_rn(-q, scale, x), inv, q);
-    return (aq >= 0x1p-12f && aq <= 0x1p10f) ? corrected : q;  // NaN: q, still NaN
+    if (mode == kPow2) return q;
+    return __fmaf_rn(-__fmaf_rn(q, scale, -x), inv, q);
   }
-  __device__ __forceinline__ uint2 operator()(const float (&x)[8]) const {
-    float q[8];
+  // A float whose e4m3 code equals that of RN(x / scale), for any x.
+  __device__ __forceinline__ float quotient(float x) const {
+    const float bound = __uint_as_float(bound2 << 16);
+    if (mode == kCorrect && fabsf(x) > bound) x = copysignf(bound, x);  // NaN stays
+    return quotient_clamped(x);
+  }
+  // 8 bf16 values (16 bytes) -> their 8 e4m3 codes; the clamp on bf16 pairs (NaN-propagating).
+  __device__ __forceinline__ uint2 operator()(uint4 raw) const {
+    if (mode == kCorrect) {
+      const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&bound2);
+      const __nv_bfloat162 lo = __hneg2(hi);
+      uint32_t* w = &raw.x;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) q[i] = quotient(x[i]);
+      for (int i = 0; i < 4; ++i) {
+        const __nv_bfloat162 v = __hmin2_nan(__hmax2_nan(*reinterpret_cast<const __nv_bfloat162*>(&w[i]), lo), hi);
+        w[i] = *reinterpret_cast<const uint32_t*>(&v);
+      }
+    }
+    float q[8];
+    unpack_bf16x8(raw, q);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = quotient_clamped(q[i]);
     return pack_e4m3x8(q);
   }
 };
@@ -207,25 +232,13 @@ __device__ __forceinline__ int64_t cache_row_offset(int64_t slot, int block_size
   return block * stride_block + head * stride_head + offset * 256;
 }
 
-// Store 8 values of one lane into a cache row half (K or V): bf16, or e4m3(x / scale).
-template <bool kFp8>
-__device__ __forceinline__ void store_cache_lane(void* cache, int64_t elem_offset,
-                                                 const float (&x)[8], const E4m3Quantizer& quant) {
-  if constexpr (kFp8) {
-    store8(static_cast<uint8_t*>(cache) + elem_offset, quant(x));
-  } else {
-    store16(static_cast<__nv_bfloat16*>(cache) + elem_offset, pack_bf16x8(x));
-  }
-}
-
-// Store 8 bf16 values of one lane unchanged (bf16 cache: the bits as they are) or as e4m3(x / scale).
+// Store 8 bf16 values of one lane into a cache row half (K or V): unchanged (bf16 cache: the bits
+// as they are) or as e4m3(x / scale).
 template <bool kFp8>
 __device__ __forceinline__ void store_cache_copy(void* cache, int64_t elem_offset, const uint4& raw,
                                                  const E4m3Quantizer& quant) {
   if constexpr (kFp8) {
-    float x[8];
-    unpack_bf16x8(raw, x);
-    store_cache_lane<true>(cache, elem_offset, x, quant);
+    store8(static_cast<uint8_t*>(cache) + elem_offset, quant(raw));
   } else {
     store16(static_cast<__nv_bfloat16*>(cache) + elem_offset, raw);
   }

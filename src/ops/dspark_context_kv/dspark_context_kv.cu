@@ -115,8 +115,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     gemma_norm_head(x, w1, p.eps, kFullMask);
     round_bf16x8(x);
     rope_neox_head<kRotaryDim>(x, j, rope, kFullMask);
-    round_bf16x8(x);
-    if (write) store_cache_lane<kFp8>(row, 0, x, k_q);
+    if (write) store_cache_copy<kFp8>(row, 0, pack_bf16x8(x), k_q);
     __syncwarp();  // every lane has read this stage before it is refilled
   }
   cp_async_wait<0>();

@@ -88,7 +88,7 @@ constexpr float kLn2 = 0.6931471805599453f;
 // (one plane per key part: KS x tiles <= 4, or 8 tiles of the 8-warp kernel, fit in it).
 struct SmemLayout {
   int stage_bytes, stages, rows, n_pad, u_cap;
-  int q_off, keys_off, uniq_off, tok_off, ml_off, misc_off, total;
+  int q_off, keys_off, uniq_off, tok_off, ml_off, misc_off, qf_off, total;
 };
 
 __host__ __device__ inline int next_pow2(int n) {
@@ -118,7 +118,8 @@ __host__ __device__ inline SmemLayout smem_layout(bool fp8, int stages, int grou
   l.ml_off = l.tok_off + kMaxTokens * 16;                 // per token: int4 {lo, hi, nbv, -}
   // key-part (m, l) [warps][rows], merged (m, l) [rows], split weights [kMaxSplits][rows]
   l.misc_off = l.ml_off + warps * l.rows * 8 + l.rows * 8 + kMaxSplits * l.rows * 4;
-  l.total = l.misc_off + 64;
+  l.qf_off = l.misc_off + 64;                             // e4m3: per row, the f16 queries' factor
+  l.total = l.qf_off + (fp8 ? l.rows * 4 : 0);
   return l;
 }
 
@@ -148,12 +149,39 @@ __device__ __forceinline__ uint2 lds64(const char* p) { return *reinterpret_cast
 __device__ __forceinline__ uint32_t lds32(const char* p) { return *reinterpret_cast<const uint32_t*>(p); }
 __device__ __forceinline__ uint4 lds128(const char* p) { return *reinterpret_cast<const uint4*>(p); }
 
-// Exact: every e4m3 value is a bf16 value.
-__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two) {
-  const uint32_t h = e4m3x2_to_f16x2(two);
-  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
-  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
-  return *reinterpret_cast<const uint32_t*>(&b);
+// e4m3 pages: Q K^T runs on f16. Every e4m3 value is an f16 value (one conversion instruction per
+// pair; to bf16 it takes four), and each query row is scaled into f16's range by a power of two
+// 2^-e (exact for its bf16 values down to 2^-29 of the row's largest, below which a term is under
+// 2^-29 of the score's largest) with 2^e folded into that row's softmax scale. 16 threads a row:
+// the row's max |q| by shuffles, then each thread rewrites its 16-byte piece in place; q_factor
+// gets 2^e. A row with no finite nonzero max keeps e = 0.
+template <int kThreads>
+__device__ void q_rows_to_f16(char* q_s, float* q_factor, int rows) {
+  for (int base = 0; base < rows * 16; base += kThreads) {  // block-uniform; rows * 16 % 16 == 0
+    const int idx = base + int(threadIdx.x), row = idx / 16, pc = idx % 16;
+    const bool active = idx < rows * 16;  // whole half-warps
+    char* piece = q_s + row * 256 + ((pc ^ swz_bf16(row)) * 16);
+    float x[8];
+    kernels::unpack_bf16x8(active ? lds128(piece) : make_uint4(0, 0, 0, 0), x);
+    float m = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(x[i]));
+#pragma unroll
+    for (int d = 8; d > 0; d >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, d));
+    const int ex = m > 0.f && m <= 3.4028235e38f ? int(__float_as_uint(m) >> 23) - 127 : 14;
+    const int e = min(max(ex - 14, -100), 100);  // m 2^-e in [2^14, 2^15)
+    const float down = __uint_as_float(uint32_t(127 - e) << 23);
+    uint32_t h[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __half2 v = __floats2half2_rn(x[2 * i] * down, x[2 * i + 1] * down);
+      h[i] = *reinterpret_cast<const uint32_t*>(&v);
+    }
+    if (active) {
+      *reinterpret_cast<uint4*>(piece) = make_uint4(h[0], h[1], h[2], h[3]);
+      if (pc == 0) q_factor[row] = __uint_as_float(uint32_t(127 + e) << 23);
+    }
+  }
 }
 
 
@@ -269,8 +297,10 @@ struct TileState {
 };
 
 template <bool kFp8>
+// row_scale: e4m3, the scale of the thread's rows g, g + 8 (scale_log2 times the rows' Q factors).
 __device__ __forceinline__ void tile_keys16(TileState& st, const char* q_s, const char* keys, const LaneOffsets& off,
-                                            int key0, const int (&lo)[2], const int (&hi)[2], float scale_log2) {
+                                            int key0, const int (&lo)[2], const int (&hi)[2], float scale_log2,
+                                            float2 row_scale) {
   constexpr int kRow = kFp8 ? 256 : 512;
   const int c = threadIdx.x % 4;
   float s[2][4] = {};
@@ -284,14 +314,14 @@ __device__ __forceinline__ void tile_keys16(TileState& st, const char* q_s, cons
       uint32_t b0, b1;
       if constexpr (kFp8) {
         const uint32_t w = lds32(keys + off.k[ks] + nt * 8 * kRow);
-        b0 = e4m3x2_to_bf16x2(w);
-        b1 = e4m3x2_to_bf16x2(w >> 16);
+        b0 = e4m3x2_to_f16x2(w);
+        b1 = e4m3x2_to_f16x2(w >> 16);
       } else {
         const uint2 w = lds64(keys + off.k[j] + hi128 + nt * 8 * kRow);
         b0 = w.x;
         b1 = w.y;
       }
-      mma_16816<false>(s[nt], qa.x, qb.x, qa.y, qb.y, b0, b1);
+      mma_16816<kFp8>(s[nt], qa.x, qb.x, qa.y, qb.y, b0, b1);
     }
   }
   // Mask and online softmax (base 2). A masked key is -inf; a NaN score never becomes the max
@@ -303,7 +333,8 @@ __device__ __forceinline__ void tile_keys16(TileState& st, const char* q_s, cons
     for (int e = 0; e < 4; ++e) {
       const int rs = e >> 1, key = key0 + nt * 8 + 2 * c + (e & 1);
       const bool vis = unsigned(key - lo[rs]) < unsigned(hi[rs] - lo[rs]);
-      s[nt][e] = vis ? s[nt][e] * scale_log2 : -INFINITY;
+      const float sc = kFp8 ? (rs ? row_scale.y : row_scale.x) : scale_log2;
+      s[nt][e] = vis ? s[nt][e] * sc : -INFINITY;
       mx[rs] = fmaxf(mx[rs], s[nt][e]);
     }
   float alpha[2];
@@ -544,7 +575,7 @@ __device__ __forceinline__ void cluster_merge(const ClusterMergeArgs& a) {
 }
 
 // An e4m3 chunk (raw stage: 64 rows of 256 bytes, 16-byte piece pc of row r at pc ^ (r % 8)) as
-// the image the wgmma loop reads: K as bf16 and V as f16 (both exact), 128-byte swizzle.
+// the image the wgmma loop reads: K and V as f16 (exact), 128-byte swizzle.
 template <int kThreads>
 __device__ __forceinline__ void wg_convert_e4m3(const char* raw, char* image) {
 #pragma unroll
@@ -552,11 +583,11 @@ __device__ __forceinline__ void wg_convert_e4m3(const char* raw, char* image) {
     const int piece = threadIdx.x + kThreads * k, r = piece / 16, pc = piece % 16;
     const uint4 v = lds128(raw + r * 256 + ((pc ^ swz_e4m3(r)) * 16));
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-    uint32_t h[8];  // dims 16 (pc % 8) .. + 15 of K (pc < 8) or V, as 16-bit pairs
+    uint32_t h[8];  // dims 16 (pc % 8) .. + 15 of K (pc < 8) or V, as f16 pairs
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      h[2 * e] = pc < 8 ? e4m3x2_to_bf16x2(w[e] & 0xffffu) : e4m3x2_to_f16x2(w[e] & 0xffffu);
-      h[2 * e + 1] = pc < 8 ? e4m3x2_to_bf16x2(w[e] >> 16) : e4m3x2_to_f16x2(w[e] >> 16);
+      h[2 * e] = e4m3x2_to_f16x2(w[e] & 0xffffu);
+      h[2 * e + 1] = e4m3x2_to_f16x2(w[e] >> 16);
     }
     const int region = pc / 4, q = 2 * (pc % 4);  // K 0-63, K 64-127, V 0-63, V 64-127
     char* row = image + region * (kChunkKeys * 128) + r * 128;
@@ -569,7 +600,8 @@ template <bool kFp8, class Issue>
 __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const int4* uniq, const char* q_s,
                                           char* area, int stage_bytes, int stages, int c_begin, int c_end,
                                           int rows, int G, const int (&row_token)[2], const int (&row_lo)[2],
-                                          const int (&row_hi)[2], float scale_log2, Issue&& issue) {
+                                          const int (&row_hi)[2], float scale_log2, float2 row_scale,
+                                          Issue&& issue) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace kernels;
   constexpr int kThreads = 256;
@@ -626,10 +658,10 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
     } else {
       float s[32];
       wgmma_fence();
-      wgmma_m64k16<64, false, false, false>(s, qa[0], sw128_desc(sa));
+      wgmma_m64k16<64, kFp8, false, false>(s, qa[0], sw128_desc(sa));
 #pragma unroll
       for (int ks = 1; ks < 8; ++ks)
-        wgmma_m64k16<64, false>(s, qa[ks], sw128_desc(sa + (ks / 4) * (kChunkKeys * 128) + (ks % 4) * 32));
+        wgmma_m64k16<64, kFp8>(s, qa[ks], sw128_desc(sa + (ks / 4) * (kChunkKeys * 128) + (ks % 4) * 32));
       wgmma_commit();
       // The chunk keys each row sees (empty when its token did not select the chunk).
       const int chunk_pos = u.x * kPage + (cc & 1) * kChunkKeys;
@@ -645,14 +677,14 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
       if (all_visible) {
 #pragma unroll
         for (int k = 0; k < 32; ++k) {
-          if constexpr (kFp8) s[k] *= scale_log2;
+          if constexpr (kFp8) s[k] *= (k >> 1) & 1 ? row_scale.y : row_scale.x;
           mx[(k >> 1) & 1] = fmaxf(mx[(k >> 1) & 1], s[k]);
         }
       } else {
 #pragma unroll
         for (int k = 0; k < 32; ++k) {
           const int rs = (k >> 1) & 1, key = 8 * (k >> 2) + 2 * c + (k & 1);
-          if constexpr (kFp8) s[k] *= scale_log2;
+          if constexpr (kFp8) s[k] *= rs ? row_scale.y : row_scale.x;
           if (unsigned(key - lo[rs]) >= unsigned(hi[rs] - lo[rs])) s[k] = -INFINITY;
           mx[rs] = fmaxf(mx[rs], s[k]);
         }
@@ -930,10 +962,21 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
     }
     cp_async_commit();
   };
+  float2 row_scale = make_float2(scale_log2, scale_log2);  // e4m3: the thread's rows' scales
+  if constexpr (kFp8) {
+    float* q_factor = reinterpret_cast<float*>(smem + L.qf_off);
+    cp_async_wait<0>();  // the queries (no chunk is in flight yet)
+    __syncthreads();
+    q_rows_to_f16<kThreads>(q_s, q_factor, rows);
+    __syncthreads();
+    const int r0 = (kWg ? warp : tile) * 16 + g;  // the thread's rows r0, r0 + 8
+    row_scale.x = scale_log2 * (r0 < rows ? q_factor[r0] : 1.f);
+    row_scale.y = scale_log2 * (r0 + 8 < rows ? q_factor[r0 + 8] : 1.f);
+  }
   float wo[kWg ? 64 : 1];  // the wgmma loop's O accumulator (rows g, g + 8; dims 8 i + 2 c + e)
   if constexpr (kWg) {
     wg_chunks<kFp8>(st, wo, uniq, q_s, area, L.stage_bytes, stages, c_begin, c_end, rows, G, row_token, row_lo,
-                    row_hi, scale_log2, issue);
+                    row_hi, scale_log2, row_scale, issue);
   } else {
     // One cp.async group per chunk (empty past the split's end). Before the iteration over chunks
     // [c, c + CL): 1 + (stages - CL) + (c - c_begin + CL) groups committed, of which the first
@@ -953,7 +996,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
         chunk_row_ranges(mask, chunk_pos, row_token, row_lo, row_hi, lo, hi);
         for (int sub = 0; sub < keys_per_part / 16; ++sub) {
           const int key0 = key_base + sub * 16;
-          tile_keys16<kFp8>(st, q_s, stage + key0 * kRowBytes, off, key0, lo, hi, scale_log2);
+          tile_keys16<kFp8>(st, q_s, stage + key0 * kRowBytes, off, key0, lo, hi, scale_log2, row_scale);
         }
       }
       __syncthreads();  // the stages are refilled next iteration

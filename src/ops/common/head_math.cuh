@@ -74,6 +74,12 @@ __device__ __forceinline__ uint2 pack_e4m3x8(const float (&x)[8]) {
 // cases, chosen once per scale: a power-of-two scale (x r is exact: q is the quotient), the
 // correction, and a scale outside [2^-60, 2^60] (the IEEE division). tests/test_gpu.cu checks the
 // codes against __fdiv_rn for every bf16 x and 4015 scales, through both entry points.
+// The quantizer's rare case (a scale outside [2^-60, 2^60]): IEEE divisions, out of line so that
+// its code does not crowd the instruction cache of the kernels that inline the common cases.
+// (A template: one definition per program without `inline`, which noinline contradicts.)
+template <int = 0>
+__device__ __noinline__ uint2 e4m3_divide8(uint4 raw, float scale);
+
 struct E4m3Quantizer {
   enum Mode : uint32_t { kPow2, kCorrect, kDivide };
   float scale = 1.f, inv = 1.f;
@@ -103,6 +109,7 @@ struct E4m3Quantizer {
   }
   // 8 bf16 values (16 bytes) -> their 8 e4m3 codes; the clamp on bf16 pairs (NaN-propagating).
   __device__ __forceinline__ uint2 operator()(uint4 raw) const {
+    if (mode == kDivide) return e4m3_divide8(raw, scale);
     if (mode == kCorrect) {
       const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&bound2);
       const __nv_bfloat162 lo = __hneg2(hi);
@@ -120,6 +127,15 @@ struct E4m3Quantizer {
     return pack_e4m3x8(q);
   }
 };
+
+template <int>
+__device__ __noinline__ uint2 e4m3_divide8(uint4 raw, float scale) {
+  float q[8];
+  unpack_bf16x8(raw, q);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) q[i] = __fdiv_rn(q[i], scale);
+  return pack_e4m3x8(q);
+}
 
 // Sum over the 16 lanes of one half-warp; `mask` names the half-warp's lanes.
 __device__ __forceinline__ float half_warp_sum(float v, unsigned mask) {

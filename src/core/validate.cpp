@@ -120,6 +120,11 @@ void require_aligned16(const char* op, const char* name, const TensorView& v) {
   }
 }
 
+void require_below_2_31(const char* op, const char* what, int64_t value) {
+  if (value < 0 || value >= (int64_t(1) << 31))
+    throw_arg_error(op, what, std::to_string(value), "supported: [0, 2^31) (the kernel indexes it in 32 bits)");
+}
+
 KvCacheGeometry require_kv_cache(const char* op, const TensorView& kv_cache,
                                  KvCacheDtype kv_cache_dtype, int num_kv_heads, Device device) {
   require_defined(op, "kv_cache", kv_cache);

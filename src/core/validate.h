@@ -2,7 +2,8 @@
 // its value and what is supported.
 //
 // defines: require_defined, require_dtype, require_shape, require_same_device, require_scale,
-//          require_kv_cache, require_rope_table, require_index_vector, KvCacheGeometry.
+//          require_kv_cache, require_rope_table, require_index_vector, require_below_2_31,
+//          KvCacheGeometry.
 #pragma once
 
 #include <initializer_list>
@@ -38,6 +39,8 @@ void require_rope_table(const char* op, const TensorView& cos_sin_cache, int rot
                         Device device);
 // Memory at 16-byte alignment (vector loads and stores).
 void require_aligned16(const char* op, const char* name, const TensorView& v);
+// A size or count a kernel indexes in 32 bits: [0, 2^31) (no GPU's memory holds more today).
+void require_below_2_31(const char* op, const char* what, int64_t value);
 
 // log2 of a power of two.
 inline int log2_pow2(int64_t v) {

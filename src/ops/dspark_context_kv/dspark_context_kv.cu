@@ -16,6 +16,7 @@
 #include <algorithm>
 
 #include "core/cuda_check.h"
+#include "core/validate.h"
 #include "ops/common/head_math.cuh"
 #include "ops/dspark_context_kv/dspark_context_kv.h"
 
@@ -124,10 +125,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
 template <int kRotaryDim, bool kFp8>
 void launch(const DsparkContextKvParams& p, cudaStream_t stream) {
   // The kernel indexes tokens, slots, positions and a block's bytes in 32 bits.
-  kernels::require_below_2_31("dspark_context_kv_launch", "num_ctx", p.num_ctx);
-  kernels::require_below_2_31("dspark_context_kv_launch", "num_blocks * block_size", p.num_slots);
-  kernels::require_below_2_31("dspark_context_kv_launch", "cos_sin_cache rows", p.max_pos);
-  kernels::require_below_2_31("dspark_context_kv_launch", "cache block stride", p.stride_cache_block * 2);
+  detail::require_below_2_31("dspark_context_kv_write", "num_ctx", p.num_ctx);
+  detail::require_below_2_31("dspark_context_kv_write", "num_blocks * block_size", p.num_slots);
+  detail::require_below_2_31("dspark_context_kv_write", "cos_sin_cache rows", p.max_pos);
+  detail::require_below_2_31("dspark_context_kv_write", "cache block stride in bytes", p.stride_cache_block * 2);
   // Enough blocks to fill the GPU once (each then walks several runs, prefetching the next while
   // computing the current), but no more than there are runs.
   const int resident = detail::multiprocessor_count() * kMinBlocksPerSm;

@@ -4,6 +4,7 @@
 // layout rules (DsparkContextKvWriter::validate gives a reason string), of the call arguments and
 // of out-of-range slots and positions (which must throw before anything is written).
 // Shared helpers: tests/test_util.h.
+#include "core/validate.h"
 #include "test_util.h"
 
 namespace {
@@ -476,3 +477,22 @@ TEST(OutOfRange, DsparkSlotAndPosition) {
 }
 
 }  // namespace
+
+// The launchers of the kernels that index in 32 bits (this writer, qknorm_rope_kv_insert) refuse
+// larger sizes with this check before launching anything.
+TEST(Validate, Below2To31NamesTheValue) {
+  EXPECT_NO_THROW(m3rt::detail::require_below_2_31("op", "num_ctx", 0));
+  EXPECT_NO_THROW(m3rt::detail::require_below_2_31("op", "num_ctx", (int64_t(1) << 31) - 1));
+  for (const int64_t bad : {int64_t(1) << 31, int64_t(-1), int64_t(1) << 40}) {
+    try {
+      m3rt::detail::require_below_2_31("dspark_context_kv_write", "num_ctx", bad);
+      ADD_FAILURE() << "no error for " << bad;
+    } catch (const m3rt::Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("dspark_context_kv_write"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("num_ctx"), std::string::npos) << msg;
+      EXPECT_NE(msg.find(std::to_string(bad)), std::string::npos) << msg;
+      EXPECT_NE(msg.find("2^31"), std::string::npos) << msg;
+    }
+  }
+}

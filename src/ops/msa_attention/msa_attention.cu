@@ -151,8 +151,9 @@ __device__ __forceinline__ uint4 lds128(const char* p) { return *reinterpret_cas
 
 // e4m3 pages: Q K^T runs on f16. Every e4m3 value is an f16 value (one conversion instruction per
 // pair; to bf16 it takes four), and each query row is scaled into f16's range by a power of two
-// 2^-e (exact for its bf16 values down to 2^-29 of the row's largest, below which a term is under
-// 2^-29 of the score's largest) with 2^e folded into that row's softmax scale. 16 threads a row:
+// 2^-e (exact for every bf16 value of the row down to 2^-28 of its largest; smaller ones lose bits
+// or flush, terms under 2^-28 of the row's largest term) with 2^e folded into that row's softmax
+// scale. 16 threads a row:
 // the row's max |q| by shuffles, then each thread rewrites its 16-byte piece in place; q_factor
 // gets 2^e. A row with no finite nonzero max keeps e = 0.
 template <int kThreads>
@@ -296,8 +297,8 @@ struct TileState {
   float m[2], l[2];  // rows g, g + 8: running max (log2 units) and this lane's partial sum
 };
 
-template <bool kFp8>
 // row_scale: e4m3, the scale of the thread's rows g, g + 8 (scale_log2 times the rows' Q factors).
+template <bool kFp8>
 __device__ __forceinline__ void tile_keys16(TileState& st, const char* q_s, const char* keys, const LaneOffsets& off,
                                             int key0, const int (&lo)[2], const int (&hi)[2], float scale_log2,
                                             float2 row_scale) {

@@ -18,6 +18,7 @@
 #include <algorithm>
 
 #include "core/cuda_check.h"
+#include "core/validate.h"
 #include "ops/common/head_math.cuh"
 #include "ops/qknorm_rope_kv_insert/qknorm_rope_kv_insert.h"
 
@@ -188,15 +189,15 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(kInsert))
 template <int kRotaryDim, QkvInsertMode kInsert>
 void launch(const QknormRopeKvInsertParams& p, cudaStream_t stream) {
   // The kernel indexes tokens, slots, positions, a qkv row and a cache block's bytes in 32 bits.
-  const char* kName = "qknorm_rope_kv_insert_launch";
-  kernels::require_below_2_31(kName, "num_tokens", p.num_tokens);
-  kernels::require_below_2_31(kName, "qkv row stride", p.stride_qkv_t);
-  kernels::require_below_2_31(kName, "cos_sin_cache rows", p.max_pos);
+  const char* kName = "qknorm_rope_kv_insert";
+  detail::require_below_2_31(kName, "num_tokens", p.num_tokens);
+  detail::require_below_2_31(kName, "qkv row stride", p.stride_qkv_t);
+  detail::require_below_2_31(kName, "cos_sin_cache rows", p.max_pos);
   if (kInsert != QkvInsertMode::kNone) {
-    kernels::require_below_2_31(kName, "num_blocks * block_size", p.num_slots);
-    kernels::require_below_2_31(kName, "cache block stride", p.stride_cache_block * 2);
+    detail::require_below_2_31(kName, "num_blocks * block_size", p.num_slots);
+    detail::require_below_2_31(kName, "cache block stride in bytes", p.stride_cache_block * 2);
   }
-  if (p.num_index_heads > 0) kernels::require_below_2_31(kName, "index cache rows", p.index_num_slots);
+  if (p.num_index_heads > 0) detail::require_below_2_31(kName, "index cache rows", p.index_num_slots);
   const int resident = detail::multiprocessor_count() * min_blocks_per_sm(kInsert);
   const int items = p.num_heads + p.num_kv_heads * (kInsert != QkvInsertMode::kNone ? 2 : 1) +
                     (p.num_index_heads > 0 ? p.num_index_heads + 1 : 0);

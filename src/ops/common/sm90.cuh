@@ -18,6 +18,16 @@
 
 namespace m3rt::kernels {
 
+// Whether this build carries sm_90a code (CMake defines M3RT_SM90A_CODE when M3RT_CUDA_GENCODE has
+// an sm_90a or compute_90a target). Without it the kernels' Hopper paths are compiled out (their
+// code is guarded by __CUDA_ARCH_FEAT_SM90_ALL or __CUDA_ARCH__ >= 900 and a Hopper GPU would run
+// PTX JIT-compiled from compute_80), so the launchers pick the portable paths on every GPU.
+#ifdef M3RT_SM90A_CODE
+constexpr bool kBuiltForSm90a = true;
+#else
+constexpr bool kBuiltForSm90a = false;
+#endif
+
 // mbarriers (shared::cta) and a bulk copy that completes on one.
 [[maybe_unused]] __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");

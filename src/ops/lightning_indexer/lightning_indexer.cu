@@ -938,7 +938,9 @@ __global__ void __launch_bounds__(kSelectWarps * 32)
 
 bool g_force_portable = false;
 
+// A Hopper GPU and a build that carries the sm_90a kernels (else the portable ones run).
 bool device_is_sm90() {
+  if (!kernels::kBuiltForSm90a) return false;
   int dev = 0, major = 0;
   M3RT_CUDA_CHECK(cudaGetDevice(&dev));
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));

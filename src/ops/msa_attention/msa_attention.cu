@@ -1175,7 +1175,7 @@ struct KernelConfig {
 };
 
 bool use_wgmma(int rows, int major) {
-  if (rows <= 64 || major != 9) return false;
+  if (rows <= 64 || major != 9 || !kernels::kBuiltForSm90a) return false;
   const char* env = std::getenv("M3RT_MSA_WGMMA");
   return !(env && std::string(env) == "0");
 }
@@ -1247,7 +1247,7 @@ bool cluster_merge_fits(const KernelConfig& cfg, dim3 grid, int splits) {
   int dev = 0, major = 0;
   M3RT_CUDA_CHECK(cudaGetDevice(&dev));
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  if (major < 9) return false;
+  if (major < 9 || !kernels::kBuiltForSm90a) return false;  // the cluster code is sm_90 code
   struct Known {
     int dev;
     KernelFn fn;

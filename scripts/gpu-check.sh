@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine: build, run every test (GPU ones included), `m3rt check` (also with the
-# sync-check switch), compute-sanitizer (memcheck, racecheck, initcheck, synccheck) on the GPU
-# checks and the graph test, then every benchmark. Logs go to $OUT (default /tmp/m3rt-gpu); a short
+# sync-check switch; the MSA and indexer checks also from an sm_80-only build), compute-sanitizer
+# (memcheck, racecheck, initcheck, synccheck) on the GPU checks and the graph test, then every
+# benchmark. Logs go to $OUT (default /tmp/m3rt-gpu); a short
 # table is printed last. Exit status: non-zero if any step failed. SKIP_BENCH=1 stops before the
 # benchmarks (to split a run over two device calls: then `m3rt bench --json` alone).
 set -uo pipefail
@@ -30,6 +31,8 @@ step ctest ctest.log bash -c "cd $BUILD_DIR && ctest --output-on-failure -j 4"
 step check check.log "$BUILD_DIR/m3rt" check
 step check-mma-sync check.log env M3RT_MSA_WGMMA=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa
 step check-sync check.log env M3RT_SYNC_CHECK=1 "$BUILD_DIR/m3rt" check --device cuda
+# A build without sm_90a code (sm_80 SASS + compute_80 PTX) must take the portable paths on Hopper.
+step check-sm80-build check.log bash -c "cmake -S . -B $BUILD_DIR-sm80 -G Ninja -DCMAKE_BUILD_TYPE=Release -DM3RT_BUILD_TESTS=OFF '-DM3RT_CUDA_GENCODE=-gencode=arch=compute_80,code=sm_80;-gencode=arch=compute_80,code=compute_80' -DM3RT_GIT_COMMIT=$COMMIT >/dev/null && cmake --build $BUILD_DIR-sm80 -j $(nproc) --target m3rt >/dev/null && $BUILD_DIR-sm80/m3rt check --device cuda --filter msa && $BUILD_DIR-sm80/m3rt check --device cuda --filter indexer"
 if [ -n "$SAN" ]; then
   for tool in memcheck racecheck initcheck synccheck; do
     step "sanitizer-$tool" sanitizer.log "$SAN" --tool "$tool" --error-exitcode 9 "$BUILD_DIR/m3rt" check --device cuda

@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "m3rt/error.h"
+#include "ops/common/mma.cuh"
 
 namespace m3rt::kernels {
 
@@ -95,9 +96,8 @@ struct E4m3Quantizer {
     const uint32_t b = (__float_as_uint(1024.f * a) + 0xffffu) >> 16;  // rounded up to bf16
     bound2 = b | (b << 16);
   }
-  // The quotient's stand-in for a finite or NaN x with |x| <= B (kCorrect), or any x (other modes).
+  // The quotient's stand-in for kPow2 (any x) and kCorrect (a finite or NaN x with |x| <= B).
   __device__ __forceinline__ float quotient_clamped(float x) const {
-    if (mode == kDivide) return __fdiv_rn(x, scale);
     const float q = __fmul_rn(x, inv);
     if (mode == kPow2) return q;
     return __fmaf_rn(-__fmaf_rn(q, scale, -x), inv, q);
@@ -105,6 +105,7 @@ struct E4m3Quantizer {
   // A float whose e4m3 code equals that of RN(x / scale), for any x (the scalar form; the kernels
   // use the 8-wide one below).
   __device__ __forceinline__ float quotient(float x) const {
+    if (mode == kDivide) return __fdiv_rn(x, scale);
     const float bound = __uint_as_float(bound2 << 16);
     if (mode == kCorrect && fabsf(x) > bound) x = copysignf(bound, x);  // NaN stays
     return quotient_clamped(x);
@@ -212,18 +213,15 @@ __device__ __forceinline__ void rope_neox_head(float (&x)[8], int j, const RopeL
 
 // Asynchronous global -> shared copies (cp.async, sm_80+): the bytes in flight occupy no
 // registers, so a kernel can keep the next work item's rows loading while it computes. The
-// overloads taking a 32-bit shared address (smem_addr) let a loop compute it once.
-__device__ __forceinline__ uint32_t smem_addr(const void* smem) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-}
+// overloads taking a 32-bit shared address (smem_u32) let a loop compute it once.
 __device__ __forceinline__ void cp_async_16(uint32_t smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
 }
 __device__ __forceinline__ void cp_async_8(uint32_t smem, const void* gmem) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem), "l"(gmem));
 }
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) { cp_async_16(smem_addr(smem), gmem); }
-__device__ __forceinline__ void cp_async_8(void* smem, const void* gmem) { cp_async_8(smem_addr(smem), gmem); }
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) { cp_async_16(smem_u32(smem), gmem); }
+__device__ __forceinline__ void cp_async_8(void* smem, const void* gmem) { cp_async_8(smem_u32(smem), gmem); }
 
 // One 16-byte (8-byte) global store. A plain `*(uint4*)p = v` of a value assembled from scalars
 // can reach the PTX as four 4-byte stores (seen for pack_bf16x8's results); these cannot.

@@ -71,8 +71,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   }
   // Each lane copies (and later reads) its own 16 bytes of the rows; lane 0 of a half-warp copies
   // the token's slot and position, read by the half-warp after a __syncwarp.
-  const uint32_t rows_smem = smem_addr(&stages[0].rows[tok][0][j]);
-  const uint32_t idx_smem = smem_addr(&stages[0].idx[tok][0]);
+  const uint32_t rows_smem = smem_u32(&stages[0].rows[tok][0][j]);
+  const uint32_t idx_smem = smem_u32(&stages[0].idx[tok][0]);
   int t_pref = int(blockIdx.y) * kTokensPerRun + tok;  // this lane's token of the next copy
   const uint16_t* src = p.all_kv + (int64_t(l) * 2 * p.num_kv_heads + h) * 128 + j * kDimsPerLane +
                         int64_t(t_pref) * p.stride_all_kv_t;

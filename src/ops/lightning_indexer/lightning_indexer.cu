@@ -938,19 +938,11 @@ __global__ void __launch_bounds__(kSelectWarps * 32)
 
 bool g_force_portable = false;
 
-// A Hopper GPU and a build that carries the sm_90a kernels (else the portable ones run).
-bool device_is_sm90() {
-  if (!kernels::kBuiltForSm90a) return false;
-  int dev = 0, major = 0;
-  M3RT_CUDA_CHECK(cudaGetDevice(&dev));
-  M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  return major == 9;
-}
 
 template <bool kFp8>
 void launch_prefill_score(const IndexerParams& p, cudaStream_t stream) {
   // Hopper: the wgmma kernel; other GPUs: the portable mma.sync kernel.
-  const bool sm90 = !g_force_portable && device_is_sm90();
+  const bool sm90 = !g_force_portable && kernels::hopper_paths_run();
   static bool configured[2] = {false, false};  // the smem opt-ins, once per process
   if (!configured[sm90]) {
     if (sm90)
@@ -1015,7 +1007,7 @@ void indexer_decode_launch(const IndexerParams& p, CUstream_st* stream) {
   const int rows = p.decode_query_len * p.num_heads;
   const int groups = (rows + kDecodeRows - 1) / kDecodeRows;
   const int n_tiles = (std::min(rows, kDecodeRows) + 7) / 8;
-  const bool sm90 = !g_force_portable && device_is_sm90();
+  const bool sm90 = !g_force_portable && kernels::hopper_paths_run();
   // Hopper: three pages per CTA in flight through shared memory; CTAs per SM as the shared memory
   // allows. Portable: four CTAs per SM, a warp per page.
   const int smem = sm90 ? kDecodeStages * (p.fp8 ? decode_sm90_page_bytes<true>() : decode_sm90_page_bytes<false>()) +

@@ -1174,20 +1174,19 @@ struct KernelConfig {
   int threads, stages, smem;
 };
 
-bool use_wgmma(int rows, int major) {
-  if (rows <= 64 || major != 9 || !kernels::kBuiltForSm90a) return false;
+bool use_wgmma(int rows) {
+  if (rows <= 64 || !kernels::hopper_paths_run()) return false;
   const char* env = std::getenv("M3RT_MSA_WGMMA");
   return !(env && std::string(env) == "0");
 }
 
 KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, int64_t ctas) {
-  int dev = 0, per_sm = 0, optin = 0, major = 0;
+  int dev = 0, per_sm = 0, optin = 0;
   M3RT_CUDA_CHECK(cudaGetDevice(&dev));
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   const bool lone = msa_group_rows(G, tg) > 64 || ctas <= detail::multiprocessor_count();
-  const bool wg = use_wgmma(msa_group_rows(G, tg), major);
+  const bool wg = use_wgmma(msa_group_rows(G, tg));
   const int warps = lone ? 8 : 4;
   KernelConfig cfg{};
   if (wg) {
@@ -1234,9 +1233,9 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
   return cfg;
 }
 
-// Whether a split decode merges through a cluster: sm_90+, at most 16 splits, and every group's
-// cluster resident at once (clusters of 1 CTA per SM pack into GPCs: more than fit would run in a
-// second wave). With every split's piece in flight at once the cluster merge beats the global one
+// Whether a split decode merges through a cluster: a Hopper GPU and sm_90a code in the build
+// (hopper_paths_run), at most 16 splits, and every group's cluster resident at once (clusters of 1
+// CTA per SM pack into GPCs: more than fit would run in a second wave). With every split's piece in flight at once the cluster merge beats the global one
 // at every group size measured (H200, batch 1, 16 rows, 16 splits: 12.3 vs 15.7 us; it lost, 26.6
 // vs 15.8 us, while it read the splits one after another). Cached per (device, kernel, smem,
 // splits, clusters). M3RT_MSA_CLUSTER=0 keeps the global-memory merge (benchmarks).
@@ -1244,10 +1243,9 @@ bool cluster_merge_fits(const KernelConfig& cfg, dim3 grid, int splits) {
   const char* env = std::getenv("M3RT_MSA_CLUSTER");
   if (env && std::string(env) == "0") return false;
   if (splits > 16) return false;
-  int dev = 0, major = 0;
+  if (!kernels::hopper_paths_run()) return false;  // the cluster code is sm_90 code
+  int dev = 0;
   M3RT_CUDA_CHECK(cudaGetDevice(&dev));
-  M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  if (major < 9 || !kernels::kBuiltForSm90a) return false;  // the cluster code is sm_90 code
   struct Known {
     int dev;
     KernelFn fn;

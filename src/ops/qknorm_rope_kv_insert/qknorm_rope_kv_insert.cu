@@ -108,8 +108,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(kInsert))
   }
   const uint32_t block_bytes = uint32_t(p.stride_cache_block) * kCacheElemBytes;
   const uint32_t offset_mask = (1u << p.block_size_log2) - 1;
-  const uint32_t rows_smem = smem_addr(&stages[0][w].rows[half][j]);
-  const uint32_t idx_smem = smem_addr(&stages[0][w].idx[half][0]);
+  const uint32_t rows_smem = smem_u32(&stages[0][w].rows[half][j]);
+  const uint32_t idx_smem = smem_u32(&stages[0][w].idx[half][0]);
   int t_pref = int(blockIdx.y) * kTokensPerStep + half;  // this lane's token of the next copy
   auto prefetch = [&](int stage) {
     if (t_pref < num_tokens) {

@@ -21,6 +21,8 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "check/check_util.h"
@@ -430,14 +432,16 @@ INSTANTIATE_TEST_SUITE_P(IndexDtype, GpuIndexerGraph, ::testing::Combine(::testi
 // ------------------------------------------------------------------------------------------------
 // MSA decode under a CUDA graph: the plan's shape stays; lengths, top-k lists, block table and
 // queries change in place between replays.
-class GpuMsaGraph : public ::testing::TestWithParam<bool> {};
+// Group 16 x dql 5: 80-row groups, split over clusters (on Hopper bf16 runs the wgmma loop); dql 1:
+// msa_decode1_kernel, 16 splits per (request, KV head).
+class GpuMsaGraph : public ::testing::TestWithParam<std::tuple<bool, int>> {};
 
 TEST_P(GpuMsaGraph, ReplayAfterInPlaceChangesMatchesEagerBitwise) {
   REQUIRE_GPU();
-  const bool fp8 = GetParam();
-  // Group 16 x dql 5: 80-row groups, split over clusters (on Hopper bf16 runs the wgmma loop).
-  constexpr int B = 3, dql = 5, Hq = 32, Hkv = 2, K = 8, max_blocks = 12, pages = 40;
-  constexpr int64_t T = B * dql;
+  const bool fp8 = std::get<0>(GetParam());
+  const int dql = std::get<1>(GetParam());
+  constexpr int B = 3, Hq = 32, Hkv = 2, K = 8, max_blocks = 12, pages = 40;
+  const int64_t T = B * dql;
   Rng rng(91);
   const Device gd = Device::cuda();
   const DType cdt = fp8 ? DType::kUInt8 : DType::kBFloat16;
@@ -516,7 +520,10 @@ TEST_P(GpuMsaGraph, ReplayAfterInPlaceChangesMatchesEagerBitwise) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(CacheDtype, GpuMsaGraph, ::testing::Values(false, true),
-                         [](const auto& info) { return info.param ? "fp8" : "bf16"; });
+INSTANTIATE_TEST_SUITE_P(CacheDtypeDql, GpuMsaGraph, ::testing::Combine(::testing::Values(false, true), ::testing::Values(5, 1)),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param) ? "fp8" : "bf16") + "_dql" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 }  // namespace

@@ -159,12 +159,16 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
   struct Case {
     int B, ctx, dql;
   };
-  auto plan_splits = [](const Case& c) { return msa_decode_splits(c.B, c.dql, kHq, kHkv, kTopk, c.ctx / kPageTokens); };
+  auto plan_splits = [](const Case& c, bool fp8) {
+    return msa_decode_splits(c.B, c.dql, kHq, kHkv, kTopk, c.ctx / kPageTokens, fp8);
+  };
   std::vector<Case> decode_cases;
-  for (int ctx : env.quick ? std::vector<int>{32768} : std::vector<int>{32768, 131072})
+  // M3RT_BENCH_MSA_DECODE_ONLY=1 (tuning): dql-1 decode at 32K, no ratios, no verify or prefill.
+  const bool decode_only = std::getenv("M3RT_BENCH_MSA_DECODE_ONLY") != nullptr;
+  for (int ctx : env.quick || decode_only ? std::vector<int>{32768} : std::vector<int>{32768, 131072})
     for (int B : env.quick ? std::vector<int>{1, 32} : std::vector<int>{1, 32, 128})
       decode_cases.push_back({B, ctx, 1});
-  decode_cases.push_back({32, 32768, 8});  // verify
+  if (!decode_only) decode_cases.push_back({32, 32768, 8});  // verify
   for (bool fp8 : {false, true}) {
     const KvCacheDtype kd = fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;
     for (const Case& c : decode_cases) {
@@ -191,7 +195,11 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
       r.bytes = batch[0].unique_slices * slice_bytes + double(c.B) * c.dql * per_token_io;
       r.gbps = r.bytes / (r.us * 1e3);
       r.pct_ceiling = 100.0 * r.gbps / env.copy_gbps;
-      r.note = std::to_string(plan_splits(c)) + " splits";
+      r.note = std::to_string(plan_splits(c, fp8)) + " splits";
+      if (decode_only) {
+        rows.push_back(r);
+        continue;
+      }
       if (c.B == 1 && c.ctx == 32768 && !env.quick) {  // batch 1: the split merge in global memory, same run
         const ScopedEnv global_merge("M3RT_MSA_CLUSTER", "0");
         MsaDecodePlan alt({c.B, c.dql, kHq, kHkv, kTopk, nb, kd}, Device::cuda());
@@ -200,6 +208,11 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
         r.note += b;
       }
       rows.push_back(r);
+      if (c.dql == 1) {  // the general kernel msa_decode1_kernel replaced for dql 1, same run
+        const ScopedEnv general("M3RT_MSA_DECODE1", "0");
+        MsaDecodePlan alt({c.B, c.dql, kHq, kHkv, kTopk, nb, kd}, Device::cuda());
+        rows.back().ratios.push_back({"vs general kernel", time_us(call_with(alt), sets, true, env) / r.us});
+      }
       if (c.dql > 1) {  // the mma.sync loop the wgmma one replaced on Hopper, same run
         const ScopedEnv mma_sync("M3RT_MSA_WGMMA", "0");
         MsaDecodePlan alt({c.B, c.dql, kHq, kHkv, kTopk, nb, kd}, Device::cuda());
@@ -212,6 +225,7 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
       }
     }
   }
+  if (decode_only) return rows;
   if (env.gemm_tflops == 0) env.gemm_tflops = measure_gemm_tflops();
   for (bool fp8 : {false, true}) {
     const KvCacheDtype kd = fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;
@@ -256,6 +270,7 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
 // (M3RT_MSA_SPLITS) and the mma.sync loop instead of wgmma (M3RT_MSA_WGMMA=0), each a graph replay
 // with inputs rotated beyond L2.
 std::vector<BenchRow> bench_msa_attention_draft(BenchEnv& env) {
+  if (std::getenv("M3RT_BENCH_MSA_DECODE_ONLY")) return {};  // tuning runs of the dql-1 decode
   constexpr int N = 7, K = kMsaMaxTopk, window = 4096, ctx = 8192;
   const int seq = ctx + N, first = (ctx - window + 1) / kPageTokens, last = (seq - 1) / kPageTokens;
   const int nb = last + 1, span = last - first + 1;
@@ -302,7 +317,7 @@ std::vector<BenchRow> bench_msa_attention_draft(BenchEnv& env) {
       const ScopedEnv splits_env("M3RT_MSA_SPLITS", v.splits), cluster_env("M3RT_MSA_CLUSTER", v.cluster),
           wgmma_env("M3RT_MSA_WGMMA", v.wgmma);
       MsaDecodePlan plan({B, N, kHq, kHkv, K, nb, KvCacheDtype::kAuto}, Device::cuda());
-      const int splits = msa_decode_splits(B, N, kHq, kHkv, K, nb);
+      const int splits = msa_decode_splits(B, N, kHq, kHkv, K, nb, false);
       auto call = [&](int s, CUstream_st* stream) {
         const Set& st = sv[size_t(s)];
         plan.run({.q = st.q, .cache = {st.cache, KvCacheDtype::kAuto, ks, vs}, .topk = st.topk_view,

@@ -1,6 +1,6 @@
 // The `m3rt check` rows of MSA sparse attention: msa_prefill (varlen, chunked prefill; groups 16,
-// 4, 1, 8) and msa_decode (decode_query_len 1, 2, 8 and 32, groups 16, 4, 8, 2, 1, topk 16 and 64,
-// padded requests, a non-causal windowed variant).
+// 4, 1, 8) and msa_decode (decode_query_len 1, 2, 5, 7, 8 and 32, groups 16, 8, 4, 2, 1, topk 16
+// and 64, padded requests, non-causal windowed variants, batches of up to 50).
 // Inputs: q random bf16 in [-1, 1]; cache codes random; shuffled block tables; top-k lists made
 // like the indexer's (unique ascending ids of visible blocks, the local block last, then -1) with
 // -1 holes, repeated ids and ids past the visible blocks inserted in some rows. Every (page, KV head)
@@ -84,6 +84,13 @@ void make_list(Rng& rng, int nb, int K, int32_t* list) {
   }
   ids.resize(size_t(K), -1);
   std::copy(ids.begin(), ids.end(), list);
+}
+
+// n decode lengths in [0, max_len], every 13th a pad (0).
+std::vector<int> spread_lens(int n, int max_len) {
+  std::vector<int> lens(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) lens[size_t(i)] = i % 13 == 0 ? 0 : 1 + (i * 977) % max_len;
+  return lens;
 }
 
 MsaInputs make_inputs(Rng& rng, const MsaVariant& v) {
@@ -261,6 +268,13 @@ void check_msa_decode(CheckContext& c) {
   check_msa_variant(c, {true, 16, 2, 16, 32, {1300, 40}, {}});
   check_msa_variant(c, {false, 4, 2, 64, 2, {3000, 70, 9000}, {}});
   check_msa_variant(c, {false, 2, 2, 16, 1, {500, 260}, {}});
+  // dql 1 (msa_decode1_kernel on the GPU): e4m3 at group 16 with pads and a one-key request; group
+  // 8, topk 64, non-causal with a window; batches whose (request, KV head) pairs split 2 ways
+  // (e4m3, 160 pairs) and not at all (400 pairs) on an H200.
+  check_msa_variant(c, {true, 16, 1, 16, 1, {0, 700, 1, 5000, 129}, {}});
+  check_msa_variant(c, {false, 32, 4, 64, 1, {3000, 1, 9000, 200}, {}, {.causal = false, .window_left = 300}});
+  check_msa_variant(c, {true, 64, 4, 16, 1, spread_lens(40, 800), {}});
+  check_msa_variant(c, {false, 32, 8, 16, 1, spread_lens(50, 1500), {}});
   // Verify at M3's group 16: 128-row groups (dql 8) and 80-row groups (dql 5, a partly filled
   // second warpgroup on Hopper), with pads and lengths below dql.
   check_msa_variant(c, {false, 32, 2, 16, 8, {1700, 60, 0, 2600}, {}});

@@ -190,7 +190,8 @@ MsaDecodePlan::MsaDecodePlan(const MsaDecodeShape& shape, Device device)
   const MsaDecodeShape& s = shape;
   const int G = s.num_heads / s.num_kv_heads;
   scratch_->splits =
-      msa_decode_splits(s.batch, s.decode_query_len, s.num_heads, s.num_kv_heads, s.topk, s.max_blocks);
+      msa_decode_splits(s.batch, s.decode_query_len, s.num_heads, s.num_kv_heads, s.topk, s.max_blocks,
+                        kv_cache_is_fp8(s.kv_cache_dtype));
   if (scratch_->splits > 1) {
     const int64_t pairs = msa_decode_groups(s.batch, s.decode_query_len, G) * s.num_kv_heads;
     const int64_t rows = msa_group_rows(G, msa_group_tokens(G, s.decode_query_len));

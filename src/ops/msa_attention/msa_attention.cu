@@ -51,6 +51,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <initializer_list>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -744,6 +745,96 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
 }
 
 // kWarps: 4 (two CTAs per SM) for groups of at most 64 rows, else 8 (one 16-row tile per warp).
+// The split merge through global memory (split decode without clusters): each split stores its
+// rows' (m, l) and weighted output (summed(row, col)) in the plan's scratch, the last to arrive
+// (a per-(group, KV head) counter that it resets) merges them in split order and writes the rows
+// (write_row(row, m, l, value)).
+template <int kThreads, class Summed, class WriteRow>
+__device__ __forceinline__ void global_split_merge(const MsaParams& p, int64_t pair, int split, int splits, int rows,
+                                                   int rows_cap, float2* row_ml, float* split_w, float* fin,
+                                                   int* last, Summed&& summed, WriteRow&& write_row) {
+  const int tid = threadIdx.x;
+  const int64_t slot0 = pair * splits;
+  {
+    float4* po = reinterpret_cast<float4*>(p.part_o + (slot0 + split) * rows_cap * 128);
+    float2* pml = reinterpret_cast<float2*>(p.part_ml) + (slot0 + split) * rows_cap;
+    for (int it = tid; it < rows * 32; it += kThreads) {
+      const int row = it / 32, c0 = (it % 32) * 4;
+      po[it] = make_float4(summed(row, c0), summed(row, c0 + 1), summed(row, c0 + 2), summed(row, c0 + 3));
+    }
+    if (tid < rows) pml[tid] = row_ml[tid];
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) *last = atomicAdd(p.counters + pair, 1) + 1 == splits;
+  __syncthreads();
+  if (!*last) return;
+  __threadfence();
+  // The last split: merge the splits' partials in split order.
+  const float* po = p.part_o + slot0 * rows_cap * 128;
+  const float2* pml = reinterpret_cast<const float2*>(p.part_ml) + slot0 * rows_cap;
+  if (tid < rows) {
+    float2 ml[kMaxSplits];
+    float m = -INFINITY;
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) {
+      ml[s] = s < splits ? __ldcg(&pml[s * rows_cap + tid]) : make_float2(-INFINITY, 0.f);
+      m = fmaxf(m, ml[s].x);
+    }
+    float l = 0.f;
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) {
+      const float w = ml[s].x == -INFINITY ? 0.f : exp2f(ml[s].x - m);
+      if (s < splits) split_w[s * rows_cap + tid] = w;
+      l += w * ml[s].y;
+    }
+    row_ml[tid] = make_float2(m, l);
+  }
+  __syncthreads();
+  // Every split's piece of an output float4 in flight at once.
+  for (int it = tid; it < rows * 32; it += kThreads) {
+    const int row = it / 32, c0 = (it % 32) * 4;
+    float4 v[kMaxSplits];
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s)
+      if (s < splits) v[s] = __ldcg(reinterpret_cast<const float4*>(po + (int64_t(s) * rows_cap + row) * 128 + c0));
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) {
+      const float w = s < splits ? split_w[s * rows_cap + row] : 0.f;
+      if (w != 0.f) {  // an empty split (weight 0) adds nothing
+        acc[0] += v[s].x * w;
+        acc[1] += v[s].y * w;
+        acc[2] += v[s].z * w;
+        acc[3] += v[s].w * w;
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) fin[fin_index(row, c0 + e)] = acc[e];
+  }
+  __syncthreads();
+  for (int row = tid / 32; row < rows; row += kThreads / 32) {
+    const float2 ml = row_ml[row];
+    write_row(row, ml.x, ml.y, [&](int col) { return fin[fin_index(row, col)]; });
+  }
+  if (tid == 0) p.counters[pair] = 0;
+}
+
+// One output row, by a warp: bf16 of value(col) * v_scale / l (0 for a row without keys; NaN stays
+// NaN) and its LSE (natural log; -inf without keys).
+template <class Value>
+__device__ __forceinline__ void store_row(const MsaParams& p, int64_t t, int h, float m, float l, float v_scale,
+                                          Value&& value) {
+  const int lane = threadIdx.x % 32;
+  const float inv = l == 0.f ? 0.f : v_scale / l;
+  uint16_t* out = p.out + t * p.out_stride_t + int64_t(h) * p.out_stride_h;
+  for (int cp = lane; cp < 64; cp += 32) {
+    const float x0 = l == 0.f ? 0.f : value(2 * cp) * inv, x1 = l == 0.f ? 0.f : value(2 * cp + 1) * inv;
+    *reinterpret_cast<__nv_bfloat162*>(out + 2 * cp) = __floats2bfloat162_rn(x0, x1);
+  }
+  if (p.lse && lane == 0) p.lse[t * p.lse_stride_t + h] = l == 0.f ? -INFINITY : (m + log2f(l)) * kLn2;
+}
+
 // kCluster: launched as clusters of the splits, which merge through DSMEM (split decode on sm_90+).
 // kWg (sm_90a, 8 warps): the loop over chunks on wgmma, two warpgroups of 64 rows (wg_chunks);
 // everything before and after it is the same code.
@@ -1160,6 +1251,245 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
   if (tid == 0) p.counters[pair] = 0;
 }
 
+// ------------------------------------------------------------------------------------------------
+// Decode with one query token per request (decode_query_len 1): msa_decode1_kernel. A CTA serves
+// (token t, KV head, split): the G <= 16 query heads of the group are one 16-row MMA tile (rows
+// past G zero queries, never stored), and its four warps take 16 keys each of every 64-key chunk
+// (tile_keys16, as the general kernel's key parts). What the general kernel spends on row groups
+// (a union of pages over tokens, per-token masks, tiles) is gone: warp 0 reads the token's ids,
+// keeps each visible id's first entry (one match per 32 entries), reads its page and lists the
+// entry's visible 64-key halves in list order; split s of S takes list chunks [s C / S,
+// (s + 1) C / S). Small shared memory (bf16: 3 stages of 32 KiB, two CTAs an SM; e4m3: 4 of 16
+// KiB, three CTAs an SM) and at most 168 registers let CTAs share an SM, so small batches split
+// into enough CTAs to fill the GPU and one CTA's dependent chain overlaps the others'. Splits merge
+// in a cluster (Hopper) or through global memory, with the general kernel's code.
+// Stages x CTAs per SM measured on the H200 (M3 shapes, 32K, one device call; bench rows
+// decode B32 / B128): bf16 2 x 3: 45.3 / 159.4 us, 3 x 2: 42.7 (2 splits) / 137.0 us, 4 x 1:
+// 61.6 / 165.0 us; e4m3 3 x 4, 4 x 3 and 6 x 2 within 33-45 / 96-98 us, 4 x 3 kept.
+constexpr int kD1Threads = 128, kD1Rows = 16, kD1Parts = kD1Threads / 32;
+constexpr int kD1MaxCtasPerSm = 3;
+__host__ __device__ constexpr int d1_ctas_per_sm(bool fp8) { return fp8 ? 3 : 2; }
+
+struct D1Layout {
+  int stage_bytes, stages, q_off, list_off, ml_off, misc_off, qf_off, total;
+};
+__host__ __device__ inline D1Layout d1_layout(bool fp8, int stages) {
+  D1Layout l{};
+  l.stage_bytes = kChunkKeys * (fp8 ? 256 : 512);
+  l.stages = stages;
+  const int planes = kD1Parts * kD1Rows * 512;  // the key parts' fp32 output rows, after the loop
+  l.q_off = stages * l.stage_bytes > planes ? stages * l.stage_bytes : planes;
+  l.list_off = l.q_off + kD1Rows * 256;                    // bf16 (e4m3 pages: f16) queries
+  l.ml_off = l.list_off + 2 * kMsaMaxTopk * 8;             // int2 {key position, page} per chunk
+  // (m, l): key parts [kD1Parts][16], rows [16], merged [16]; split weights [kMaxSplits][16]
+  l.misc_off = l.ml_off + (kD1Parts + 2) * kD1Rows * 8 + kMaxSplits * kD1Rows * 4;
+  l.qf_off = l.misc_off + 16;                              // [0] chunks, [1] last split
+  l.total = l.qf_off + (fp8 ? kD1Rows * 4 : 0);            // e4m3: the rows' query factors
+  return l;
+}
+
+template <bool kFp8, bool kCluster>
+__global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
+    msa_decode1_kernel(const __grid_constant__ MsaParams p, int stages) {
+  extern __shared__ __align__(128) char smem[];
+  const D1Layout L = d1_layout(kFp8, stages);
+  char* area = smem;
+  char* q_s = smem + L.q_off;
+  int2* list = reinterpret_cast<int2*>(smem + L.list_off);
+  float2* part_ml = reinterpret_cast<float2*>(smem + L.ml_off);  // [kD1Parts][16]
+  float2* row_ml = part_ml + kD1Parts * kD1Rows;
+  float2* merged = row_ml + kD1Rows;
+  float* split_w = reinterpret_cast<float*>(merged + kD1Rows);
+  int* misc = reinterpret_cast<int*>(smem + L.misc_off);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4;
+  const int64_t t = blockIdx.x;  // dql 1: token t is request t's only one
+  const int kv_head = blockIdx.y, split = blockIdx.z;
+  const int splits = p.num_splits > 1 ? p.num_splits : 1;
+  const int G = p.num_heads / p.num_kv_heads;
+  constexpr int64_t kRowBytes = kFp8 ? 256 : 512;
+
+  // Queries: the first cp.async group (rows past G zero-filled).
+  for (int idx = tid; idx < kD1Rows * 16; idx += kD1Threads) {
+    const int row = idx / 16, pc = idx % 16;
+    const uint16_t* src = p.q + t * p.q_stride_t + int64_t(kv_head * G + min(row, G - 1)) * p.q_stride_h + pc * 8;
+    cp_async_16z(q_s + row * 256 + ((pc ^ swz_bf16(row)) * 16), src, row < G ? 16 : 0);
+  }
+  cp_async_commit();
+  const int seq_len = p.seq_lens[t];
+  if (seq_len < 0 || (int64_t(seq_len) + kPage - 1) / kPage > p.max_blocks) {  // uniform over the splits
+    cp_async_wait<0>();
+    return;
+  }
+  // The token at position seq_len - 1 sees keys [lo, hi) (causal or not: hi = seq_len).
+  const int hi = seq_len, lo = p.window_left > 0 ? max(0, seq_len - p.window_left) : 0;
+  if (warp == 0) {
+    const int32_t* ids = p.topk + int64_t(kv_head) * p.topk_stride_h + t * p.topk_stride_t;
+    const int32_t* table = p.block_table + t * p.block_table_stride;
+    const int K = p.topk_k;
+    const uint32_t before = (1u << lane) - 1u;
+    int id[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // entries lane, lane + 32; a skipped one gets a unique negative id
+      const int e = lane + 32 * h;
+      const int v = e < K ? ids[int64_t(e) * p.topk_stride_k] : -1;
+      const bool vis = v >= 0 && int64_t(v) * kPage < hi && int64_t(v) * kPage + kPage > lo;
+      id[h] = vis ? v : -1 - e;
+    }
+    // Every lane runs the warp-wide matches and shuffles (no short-circuit around them).
+    const uint32_t same0 = __match_any_sync(kFull, id[0]);
+    bool first[2];
+    first[0] = id[0] >= 0 && (same0 & before) == 0u;
+    first[1] = false;
+    if (K > 32) {
+      const uint32_t same1 = __match_any_sync(kFull, id[1]);
+      bool dup = false;
+      for (int j = 0; j < 32; ++j) dup |= __shfl_sync(kFull, id[0], j) == id[1];
+      first[1] = id[1] >= 0 && (same1 & before) == 0u && !dup;
+    }
+    int page[2], n[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      page[h] = first[h] ? table[id[h]] : -1;
+      const bool ok = first[h] && page[h] >= 0 && page[h] < p.num_cache_blocks;
+      const int k0 = ok ? id[h] * kPage : 0;
+      n[h] = ok ? int(k0 < hi && k0 + kChunkKeys > lo) + int(k0 + kChunkKeys < hi && k0 + kPage > lo) : 0;
+    }
+    int base = 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      int incl = n[h];
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(kFull, incl, o);
+        if (lane >= o) incl += v;
+      }
+      int at = base + incl - n[h];
+      const int k0 = id[h] * kPage;
+      for (int half = 0; half < 2 && n[h] > 0; ++half) {
+        const int pos = k0 + half * kChunkKeys;
+        if (pos < hi && pos + kChunkKeys > lo) list[at++] = make_int2(pos, page[h]);
+      }
+      base += __shfl_sync(kFull, incl, 31);
+    }
+    if (lane == 0) misc[0] = base;
+  }
+  __syncthreads();
+  const int C = misc[0];
+  const int c_begin = int(int64_t(split) * C / splits), c_end = int(int64_t(split + 1) * C / splits);
+  const float k_scale = kFp8 ? *p.k_scale : 1.f, v_scale = kFp8 ? *p.v_scale : 1.f;
+  const float scale_log2 = p.softmax_scale * k_scale * kLog2e;
+  const ChunkLoader<kFp8, kD1Threads> loader;
+  const char* cache = static_cast<const char*>(p.cache);
+  auto issue = [&](int c, int slot) {  // one cp.async group per chunk, empty past the split's end
+    if (c < c_end) {
+      const int2 e = list[c];
+      const int half = (e.x / kChunkKeys) & 1;
+      const char* chunk = cache + ((int64_t(e.y) * p.num_kv_heads + kv_head) * kPage + half * kChunkKeys) * kRowBytes;
+      loader.issue(area + slot * L.stage_bytes, chunk, min(kChunkKeys, seq_len - e.x));
+    }
+    cp_async_commit();
+  };
+  for (int i = 0; i < stages - 1; ++i) issue(c_begin + i, i);
+  float2 row_scale = make_float2(scale_log2, scale_log2);
+  if constexpr (kFp8) {
+    float* q_factor = reinterpret_cast<float*>(smem + L.qf_off);
+    cp_async_wait_dyn(stages - 1);  // the queries (the oldest group)
+    __syncthreads();
+    q_rows_to_f16<kD1Threads>(q_s, q_factor, G);
+    __syncthreads();
+    row_scale.x = scale_log2 * (g < G ? q_factor[g] : 1.f);
+    row_scale.y = scale_log2 * (g + 8 < G ? q_factor[g + 8] : 1.f);
+  }
+  TileState st;
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) st.o[j][e] = 0.f;
+  st.m[0] = st.m[1] = -INFINITY;
+  st.l[0] = st.l[1] = 0.f;
+  const LaneOffsets off = lane_offsets<kFp8>(0);
+  const int key0 = warp * 16;  // this warp's keys of every chunk
+  for (int c = c_begin; c < c_end; ++c) {
+    const int i = c - c_begin;
+    issue(c + stages - 1, (i + stages - 1) % stages);
+    cp_async_wait_dyn(stages - 1);
+    __syncthreads();
+    const int pos = list[c].x;
+    const int clo = min(max(lo - pos, 0), kChunkKeys), chi = min(max(hi - pos, clo), kChunkKeys);
+    if (chi > key0 && clo < key0 + 16) {
+      const int rlo[2] = {clo, clo}, rhi[2] = {chi, chi};
+      tile_keys16<kFp8>(st, q_s, area + (i % stages) * L.stage_bytes + key0 * kRowBytes, off, key0, rlo, rhi,
+                        scale_log2, row_scale);
+    }
+    __syncthreads();  // the stage is refilled next iteration
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Merge the key parts (as the general kernel): per row, each part's max and weight, then the
+  // parts' weighted rows in their own planes, summed in part order.
+  float* fin = reinterpret_cast<float*>(area);
+  constexpr int kPlane = kD1Rows * 128;
+#pragma unroll
+  for (int rs = 0; rs < 2; ++rs) {
+    float l = st.l[rs];
+    l += __shfl_xor_sync(kFull, l, 1);
+    l += __shfl_xor_sync(kFull, l, 2);
+    if (lane % 4 == 0) part_ml[warp * kD1Rows + g + rs * 8] = make_float2(st.m[rs], l);
+  }
+  __syncthreads();
+  if (tid < kD1Rows) {
+    float m = -INFINITY;
+    for (int k = 0; k < kD1Parts; ++k) m = fmaxf(m, part_ml[k * kD1Rows + tid].x);
+    float l = 0.f;
+    for (int k = 0; k < kD1Parts; ++k) {
+      const float2 v = part_ml[k * kD1Rows + tid];
+      l += v.x == -INFINITY ? 0.f : v.y * exp2f(v.x - m);
+    }
+    row_ml[tid] = make_float2(m, l);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int rs = 0; rs < 2; ++rs) {
+    const int row = g + rs * 8;
+    const float w = st.m[rs] == -INFINITY ? 0.f : exp2f(st.m[rs] - row_ml[row].x);
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        fin[warp * kPlane + fin_index(row, 32 * (lane % 4) + 16 * hh + j)] = st.o[j][rs * 2 + hh] * w;
+  }
+  __syncthreads();
+  for (int i = tid; i < kPlane; i += kD1Threads) {
+    float v = fin[i];
+    for (int k = 1; k < kD1Parts; ++k) v += fin[k * kPlane + i];
+    fin[i] = v;
+  }
+  __syncthreads();
+  auto write_row = [&](int row, float m, float l, auto&& value) {
+    store_row(p, t, kv_head * G + row, m, l, v_scale, value);
+  };
+  if (splits == 1) {
+    for (int row = warp; row < G; row += kD1Parts) {
+      const float2 ml = row_ml[row];
+      write_row(row, ml.x, ml.y, [&](int col) { return fin[fin_index(row, col)]; });
+    }
+    return;
+  }
+#if __CUDA_ARCH__ >= 900
+  if constexpr (kCluster) {
+    ClusterMergeArgs m{.row_ml = row_ml, .merged = merged, .fin = fin, .split_w = split_w, .out = p.out,
+                       .out_stride_t = p.out_stride_t, .out_stride_h = p.out_stride_h, .lse = p.lse,
+                       .lse_stride_t = p.lse_stride_t, .tok0 = t, .rows = G, .rows_cap = kD1Rows,
+                       .splits = splits, .split = split, .G = G, .head0 = kv_head * G, .v_scale = v_scale};
+    cluster_merge<kD1Threads>(m);
+    return;
+  }
+#endif
+  global_split_merge<kD1Threads>(p, t * p.num_kv_heads + kv_head, split, splits, G, kD1Rows, row_ml, split_w, fin,
+                                 misc + 1, [&](int row, int col) { return fin[fin_index(row, col)]; }, write_row);
+}
+
 bool g_force_baseline = false;
 
 // The kernel instance and its shared memory for a call. A grid no larger than the GPU (one CTA per
@@ -1178,6 +1508,29 @@ bool use_wgmma(int rows) {
   if (rows <= 64 || !kernels::hopper_paths_run()) return false;
   const char* env = std::getenv("M3RT_MSA_WGMMA");
   return !(env && std::string(env) == "0");
+}
+
+// Raises the kernels' dynamic shared memory limit (a per-device function attribute) when a call
+// needs more than any before on this device; calls may come from several host threads.
+void raise_smem_limit(std::initializer_list<KernelFn> fns, int smem) {
+  int dev = 0;
+  M3RT_CUDA_CHECK(cudaGetDevice(&dev));
+  struct Raised {
+    int dev;
+    KernelFn fn;
+    int smem;
+  };
+  static std::mutex mu;
+  static std::vector<Raised> raised;
+  const std::lock_guard<std::mutex> lock(mu);
+  for (KernelFn fn : fns) {
+    auto it = std::find_if(raised.begin(), raised.end(), [&](const Raised& r) { return r.dev == dev && r.fn == fn; });
+    if (it == raised.end() || it->smem < smem) {
+      M3RT_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      if (it == raised.end()) raised.push_back({dev, fn, smem});
+      else it->smem = smem;
+    }
+  }
 }
 
 KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, int64_t ctas) {
@@ -1212,24 +1565,36 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
                 " needs more shared memory than this GPU has");
   cfg.stages = std::min(stages, 8);
   cfg.smem = smem_layout(fp8, cfg.stages, tg, G, topk, max_blocks, warps, images).total + slack;
-  // Raise the kernel's dynamic shared memory limit (a per-device function attribute) when a call
-  // needs more than any before on this device; calls may come from several host threads.
-  struct Raised {
-    int dev;
-    KernelFn fn;
-    int smem;
-  };
-  static std::mutex mu;
-  static std::vector<Raised> raised;
-  const std::lock_guard<std::mutex> lock(mu);
-  for (KernelFn fn : {cfg.fn, cfg.cluster_fn}) {
-    auto it = std::find_if(raised.begin(), raised.end(), [&](const Raised& r) { return r.dev == dev && r.fn == fn; });
-    if (it == raised.end() || it->smem < cfg.smem) {
-      M3RT_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, cfg.smem));
-      if (it == raised.end()) raised.push_back({dev, fn, cfg.smem});
-      else it->smem = cfg.smem;
-    }
-  }
+  raise_smem_limit({cfg.fn, cfg.cluster_fn}, cfg.smem);
+  return cfg;
+}
+
+// decode_query_len 1 runs msa_decode1_kernel unless M3RT_MSA_DECODE1=0 (benchmarks: the general
+// kernel on the same shapes).
+bool use_decode1(int decode_query_len) {
+  if (decode_query_len != 1) return false;
+  const char* env = std::getenv("M3RT_MSA_DECODE1");
+  return !(env && std::string(env) == "0");
+}
+
+// msa_decode1_kernel's instance and shared memory: d1_ctas_per_sm CTAs per SM, as many 64-key
+// stages as fit their share (bf16 3, e4m3 4 on an H200), at most 8.
+KernelConfig decode1_config(bool fp8) {
+  int dev = 0, per_sm = 0;
+  M3RT_CUDA_CHECK(cudaGetDevice(&dev));
+  M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  const D1Layout base = d1_layout(fp8, 0);
+  const int fixed = base.total - base.q_off;
+  int stages = std::clamp((per_sm / d1_ctas_per_sm(fp8) - 1024 - fixed) / base.stage_bytes, 2, 8);
+  if (const char* env = std::getenv("M3RT_MSA_D1_STAGES"); env && *env)  // tuning knob for benches
+    stages = std::clamp(std::atoi(env), 2, 8);
+  KernelConfig cfg{};
+  cfg.fn = fp8 ? msa_decode1_kernel<true, false> : msa_decode1_kernel<false, false>;
+  cfg.cluster_fn = fp8 ? msa_decode1_kernel<true, true> : msa_decode1_kernel<false, true>;
+  cfg.threads = kD1Threads;
+  cfg.stages = stages;
+  cfg.smem = d1_layout(fp8, stages).total;
+  raise_smem_limit({cfg.fn, cfg.cluster_fn}, cfg.smem);
   return cfg;
 }
 
@@ -1286,16 +1651,19 @@ bool cluster_merge_fits(const KernelConfig& cfg, dim3 grid, int splits) {
 
 void msa_force_baseline(bool on) { g_force_baseline = on; }
 
-int msa_decode_splits(int batch, int dql, int num_heads, int num_kv_heads, int topk, int max_blocks) {
+int msa_decode_splits(int batch, int dql, int num_heads, int num_kv_heads, int topk, int max_blocks, bool fp8) {
   const int G = num_heads / num_kv_heads, tg = msa_group_tokens(G, dql);
   const int64_t pairs = msa_decode_groups(batch, dql, G) * num_kv_heads;
   if (pairs == 0) return 1;
-  // One CTA per SM: more splits add a merge and a per-CTA start-up cost that outweigh the second
+  // The general kernel, one CTA per SM: more splits add a merge and a per-CTA start-up cost that outweigh the second
   // CTA an SM could hold (H200, M3 shapes: batch 32 at 1 split 47 us vs 2 splits 51 us; batch 1
   // at 16 splits 19 us vs 1 split 45 us).
+  // msa_decode1_kernel: as many splits as fill d1_ctas_per_sm CTAs per SM (M3 shapes on an H200:
+  // batch 1 16 splits, batch 32 2 (bf16) or 3 (e4m3), batch 128 1).
   const int64_t chunks = 2 * int64_t(std::min(tg * topk, max_blocks));
   const int64_t cap = std::min<int64_t>(chunks, kMaxSplits);
-  int64_t splits = std::clamp<int64_t>(detail::multiprocessor_count() / pairs, 1, cap);
+  const int64_t slots = int64_t(detail::multiprocessor_count()) * (use_decode1(dql) ? d1_ctas_per_sm(fp8) : 1);
+  int64_t splits = std::clamp<int64_t>(slots / pairs, 1, cap);
   if (const char* env = std::getenv("M3RT_MSA_SPLITS"); env && *env)  // tuning knob for benches
     splits = std::clamp<int64_t>(std::atoll(env), 1, cap);
   return int(splits);
@@ -1313,7 +1681,9 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
                     "at most 2^31 row groups and 65535 KV heads on a GPU");
   if (splits > kMaxSplits || (splits > 1 && (p.part_o == nullptr || p.part_ml == nullptr || p.counters == nullptr)))
     throw Error("msa_attention: split decode without its scratch (internal)");
-  const KernelConfig cfg = kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, groups * p.num_kv_heads * splits);
+  const bool d1 = !p.cu_seqlens_q && use_decode1(p.decode_query_len);
+  const KernelConfig cfg =
+      d1 ? decode1_config(p.fp8) : kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, groups * p.num_kv_heads * splits);
   const dim3 grid(unsigned(groups), unsigned(p.num_kv_heads), unsigned(splits));
   if (splits > 1 && cluster_merge_fits(cfg, grid, splits)) {
     // Split decode on Hopper: each group's splits form one cluster and merge through DSMEM.
@@ -1331,7 +1701,7 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   } else {
     cfg.fn<<<grid, cfg.threads, cfg.smem, stream>>>(p, cfg.stages);
   }
-  M3RT_LAUNCH_CHECK(stream, "msa_sparse_kernel");
+  M3RT_LAUNCH_CHECK(stream, d1 ? "msa_decode1_kernel" : "msa_sparse_kernel");
 }
 
 }  // namespace m3rt

@@ -32,6 +32,8 @@
 //     Hopper the splits of a group run as one cluster instead and merge through DSMEM
 //     (cluster_merge, in the kCluster instances only).
 // Everything is deterministic: replays give the same bits.
+// decode_query_len 1 runs msa_decode1_kernel instead (below): one 16-row tile per (request, KV
+// head), no union of pages, small enough for two or three CTAs per SM.
 //
 // Fragment maps (g = lane / 4, c = lane % 4). The dot product over the 128 dims and the sum over
 // keys do not depend on order, so the kernel picks maps that make every shared-memory read a
@@ -1184,6 +1186,10 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
     return;
   }
 #endif
+  // The steps of global_split_merge (which msa_decode1_kernel calls), spelled out here: calling it
+  // from this kernel changed its register allocation (the 8-warp mma.sync instances 225 -> 199
+  // registers, as the inlined cluster code once did when verify and prefill got 16-20% slower), so
+  // this copy stays until a GPU run shows the call costs nothing.
   const int64_t pair = int64_t(blockIdx.x) * p.num_kv_heads + kv_head;
   const int64_t slot0 = pair * splits;
   {
@@ -1265,7 +1271,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
 // in a cluster (Hopper) or through global memory, with the general kernel's code.
 // Stages x CTAs per SM measured on the H200 (M3 shapes, 32K, one device call; bench rows
 // decode B32 / B128): bf16 2 x 3: 45.3 / 159.4 us, 3 x 2: 42.7 (2 splits) / 137.0 us, 4 x 1:
-// 61.6 / 165.0 us; e4m3 3 x 4, 4 x 3 and 6 x 2 within 33-45 / 96-98 us, 4 x 3 kept.
+// 61.6 / 165.0 us; e4m3 3 x 3, 4 x 3 and 6 x 2 within 32-45 / 96-98 us, 4 x 3 kept.
 constexpr int kD1Threads = 128, kD1Rows = 16, kD1Parts = kD1Threads / 32;
 constexpr int kD1MaxCtasPerSm = 3;
 __host__ __device__ constexpr int d1_ctas_per_sm(bool fp8) { return fp8 ? 3 : 2; }

@@ -746,7 +746,6 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
 #endif
 }
 
-// kWarps: 4 (two CTAs per SM) for groups of at most 64 rows, else 8 (one 16-row tile per warp).
 // The split merge through global memory (split decode without clusters): each split stores its
 // rows' (m, l) and weighted output (summed(row, col)) in the plan's scratch, the last to arrive
 // (a per-(group, KV head) counter that it resets) merges them in split order and writes the rows
@@ -837,6 +836,7 @@ __device__ __forceinline__ void store_row(const MsaParams& p, int64_t t, int h, 
   if (p.lse && lane == 0) p.lse[t * p.lse_stride_t + h] = l == 0.f ? -INFINITY : (m + log2f(l)) * kLn2;
 }
 
+// kWarps: 4 (two CTAs per SM) for groups of at most 64 rows, else 8 (one 16-row tile per warp).
 // kCluster: launched as clusters of the splits, which merge through DSMEM (split decode on sm_90+).
 // kWg (sm_90a, 8 warps): the loop over chunks on wgmma, two warpgroups of 64 rows (wg_chunks);
 // everything before and after it is the same code.
@@ -1268,7 +1268,8 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
 // (s + 1) C / S). Small shared memory (bf16: 3 stages of 32 KiB, two CTAs an SM; e4m3: 4 of 16
 // KiB, three CTAs an SM) and at most 168 registers let CTAs share an SM, so small batches split
 // into enough CTAs to fill the GPU and one CTA's dependent chain overlaps the others'. Splits merge
-// in a cluster (Hopper) or through global memory, with the general kernel's code.
+// in a cluster (Hopper, cluster_merge) or through global memory (global_split_merge), the general
+// kernel's arithmetic.
 // Stages x CTAs per SM measured on the H200 (M3 shapes, 32K, one device call; bench rows
 // decode B32 / B128): bf16 2 x 3: 45.3 / 159.4 us, 3 x 2: 42.7 (2 splits) / 137.0 us, 4 x 1:
 // 61.6 / 165.0 us; e4m3 3 x 3, 4 x 3 and 6 x 2 within 32-45 / 96-98 us, 4 x 3 kept.
@@ -1586,14 +1587,16 @@ bool use_decode1(int decode_query_len) {
 // msa_decode1_kernel's instance and shared memory: d1_ctas_per_sm CTAs per SM, as many 64-key
 // stages as fit their share (bf16 3, e4m3 4 on an H200), at most 8.
 KernelConfig decode1_config(bool fp8) {
-  int dev = 0, per_sm = 0;
+  int dev = 0, per_sm = 0, optin = 0;
   M3RT_CUDA_CHECK(cudaGetDevice(&dev));
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
   const D1Layout base = d1_layout(fp8, 0);
   const int fixed = base.total - base.q_off;
-  int stages = std::clamp((per_sm / d1_ctas_per_sm(fp8) - 1024 - fixed) / base.stage_bytes, 2, 8);
+  const int most = std::min(8, (optin - fixed) / base.stage_bytes);  // 2 fit any sm_80+ GPU
+  int stages = std::clamp((per_sm / d1_ctas_per_sm(fp8) - 1024 - fixed) / base.stage_bytes, 2, most);
   if (const char* env = std::getenv("M3RT_MSA_D1_STAGES"); env && *env)  // tuning knob for benches
-    stages = std::clamp(std::atoi(env), 2, 8);
+    stages = std::clamp(std::atoi(env), 2, most);
   KernelConfig cfg{};
   cfg.fn = fp8 ? msa_decode1_kernel<true, false> : msa_decode1_kernel<false, false>;
   cfg.cluster_fn = fp8 ? msa_decode1_kernel<true, true> : msa_decode1_kernel<false, true>;
@@ -1661,9 +1664,9 @@ int msa_decode_splits(int batch, int dql, int num_heads, int num_kv_heads, int t
   const int G = num_heads / num_kv_heads, tg = msa_group_tokens(G, dql);
   const int64_t pairs = msa_decode_groups(batch, dql, G) * num_kv_heads;
   if (pairs == 0) return 1;
-  // The general kernel, one CTA per SM: more splits add a merge and a per-CTA start-up cost that outweigh the second
-  // CTA an SM could hold (H200, M3 shapes: batch 32 at 1 split 47 us vs 2 splits 51 us; batch 1
-  // at 16 splits 19 us vs 1 split 45 us).
+  // The general kernel, one CTA per SM: more splits add a merge and a per-CTA start-up cost that
+  // outweigh the second CTA an SM could hold (H200, M3 shapes: batch 32 at 1 split 47 us vs 2
+  // splits 51 us; batch 1 at 16 splits 19 us vs 1 split 45 us).
   // msa_decode1_kernel: as many splits as fill d1_ctas_per_sm CTAs per SM (M3 shapes on an H200:
   // batch 1 16 splits, batch 32 2 (bf16) or 3 (e4m3), batch 128 1).
   const int64_t chunks = 2 * int64_t(std::min(tg * topk, max_blocks));

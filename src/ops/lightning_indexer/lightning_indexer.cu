@@ -479,7 +479,6 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinBlocks)
 // ---- Hopper decode: pages by bulk copy into shared memory.
 constexpr int kDecodeStages = 3;
 
-
 template <bool kFp8>
 __host__ __device__ constexpr int decode_sm90_page_bytes() {
   return kPage * 128 * (kFp8 ? 1 : 2);
@@ -937,7 +936,6 @@ __global__ void __launch_bounds__(kSelectWarps * 32)
 }
 
 bool g_force_portable = false;
-
 
 template <bool kFp8>
 void launch_prefill_score(const IndexerParams& p, cudaStream_t stream) {

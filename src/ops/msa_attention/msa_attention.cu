@@ -1499,6 +1499,17 @@ __global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
 
 bool g_force_baseline = false;
 
+// The launchers' environment switches (benchmarks and checks): `NAME=0` turns a path off; a
+// numeric override replaces a tuned value when set and non-empty.
+bool switched_off(const char* name) {
+  const char* env = std::getenv(name);
+  return env && std::string(env) == "0";
+}
+int env_int(const char* name, int fallback) {
+  const char* env = std::getenv(name);
+  return env && *env ? std::atoi(env) : fallback;
+}
+
 // The kernel instance and its shared memory for a call. A grid no larger than the GPU (one CTA per
 // SM) or groups of more than 64 rows: 8 warps, one CTA per SM, as many 64-key stages as fit (at
 // most 8); with at most 4 tiles those 8 warps work on two chunks at a time. Otherwise 4 warps and
@@ -1513,8 +1524,7 @@ struct KernelConfig {
 
 bool use_wgmma(int rows) {
   if (rows <= 64 || !kernels::hopper_paths_run()) return false;
-  const char* env = std::getenv("M3RT_MSA_WGMMA");
-  return !(env && std::string(env) == "0");
+  return !switched_off("M3RT_MSA_WGMMA");
 }
 
 // Raises the kernels' dynamic shared memory limit (a per-device function attribute) when a call
@@ -1580,8 +1590,7 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
 // kernel on the same shapes).
 bool use_decode1(int decode_query_len) {
   if (decode_query_len != 1) return false;
-  const char* env = std::getenv("M3RT_MSA_DECODE1");
-  return !(env && std::string(env) == "0");
+  return !switched_off("M3RT_MSA_DECODE1");
 }
 
 // msa_decode1_kernel's instance and shared memory: d1_ctas_per_sm CTAs per SM, as many 64-key
@@ -1595,8 +1604,7 @@ KernelConfig decode1_config(bool fp8) {
   const int fixed = base.total - base.q_off;
   const int most = std::min(8, (optin - fixed) / base.stage_bytes);  // 2 fit any sm_80+ GPU
   int stages = std::clamp((per_sm / d1_ctas_per_sm(fp8) - 1024 - fixed) / base.stage_bytes, 2, most);
-  if (const char* env = std::getenv("M3RT_MSA_D1_STAGES"); env && *env)  // tuning knob for benches
-    stages = std::clamp(std::atoi(env), 2, most);
+  stages = std::clamp(env_int("M3RT_MSA_D1_STAGES", stages), 2, most);  // tuning knob for benches
   KernelConfig cfg{};
   cfg.fn = fp8 ? msa_decode1_kernel<true, false> : msa_decode1_kernel<false, false>;
   cfg.cluster_fn = fp8 ? msa_decode1_kernel<true, true> : msa_decode1_kernel<false, true>;
@@ -1614,8 +1622,7 @@ KernelConfig decode1_config(bool fp8) {
 // vs 15.8 us, while it read the splits one after another). Cached per (device, kernel, smem,
 // splits, clusters). M3RT_MSA_CLUSTER=0 keeps the global-memory merge (benchmarks).
 bool cluster_merge_fits(const KernelConfig& cfg, dim3 grid, int splits) {
-  const char* env = std::getenv("M3RT_MSA_CLUSTER");
-  if (env && std::string(env) == "0") return false;
+  if (switched_off("M3RT_MSA_CLUSTER")) return false;
   if (splits > 16) return false;
   if (!kernels::hopper_paths_run()) return false;  // the cluster code is sm_90 code
   int dev = 0;
@@ -1673,8 +1680,7 @@ int msa_decode_splits(int batch, int dql, int num_heads, int num_kv_heads, int t
   const int64_t cap = std::min<int64_t>(chunks, kMaxSplits);
   const int64_t slots = int64_t(detail::multiprocessor_count()) * (use_decode1(dql) ? d1_ctas_per_sm(fp8) : 1);
   int64_t splits = std::clamp<int64_t>(slots / pairs, 1, cap);
-  if (const char* env = std::getenv("M3RT_MSA_SPLITS"); env && *env)  // tuning knob for benches
-    splits = std::clamp<int64_t>(std::atoll(env), 1, cap);
+  splits = std::clamp<int64_t>(env_int("M3RT_MSA_SPLITS", int(splits)), 1, cap);  // tuning knob for benches
   return int(splits);
 }
 

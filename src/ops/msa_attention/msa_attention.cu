@@ -292,6 +292,35 @@ __device__ __forceinline__ LaneOffsets lane_offsets(int tile) {
   return o;
 }
 
+// 2^x on the MUFU unit alone (subnormal results flush to 0: weights below 2^-126 of the row max).
+[[maybe_unused]] __device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// One online-softmax step's running max (log2 units) for a lane's rows g, g + 8. mx: the step's
+// largest visible score of each row before the factor sc (> 0), this lane's part; reduced here over
+// the row's four lanes. The max moves only when the step passes it by more than kLazyMax, so after
+// a row's first few steps O is rarely rescaled; the weights 2^(s - m) stay <= 2^kLazyMax (far
+// inside f16, bf16 and fp32) and every merge takes (m, l) as a pair, so any m is as good as the
+// true max. alpha: the factor for O and l (exactly 1 for a row whose max stays). m_sub: what the
+// weights subtract (0 for a row with no visible key yet, whose -inf scores then weigh 0).
+constexpr float kLazyMax = 8.f;
+__device__ __forceinline__ void advance_max(float (&m)[2], float (&mx)[2], float sc, float (&alpha)[2],
+                                            float (&m_sub)[2]) {
+#pragma unroll
+  for (int rs = 0; rs < 2; ++rs) {
+    mx[rs] = fmaxf(mx[rs], __shfl_xor_sync(kFull, mx[rs], 1));
+    mx[rs] = fmaxf(mx[rs], __shfl_xor_sync(kFull, mx[rs], 2));
+    const float cand = mx[rs] * sc;
+    const bool move = cand > m[rs] + kLazyMax;  // false while the row has seen only -inf (-inf > -inf)
+    alpha[rs] = move ? exp2_ftz(m[rs] - cand) : 1.f;
+    m[rs] = move ? cand : m[rs];
+    m_sub[rs] = m[rs] == -INFINITY ? 0.f : m[rs];
+  }
+}
+
 // One warp's work on 16 keys of a chunk for one 16-row tile: S = Q K^T, mask, online softmax,
 // O += P V. `keys` = stage + key0 * row bytes; a lane's rows see the chunk keys [lo[rs], hi[rs])
 // (an empty range for a row that does not see the chunk).
@@ -330,6 +359,8 @@ __device__ __forceinline__ void tile_keys16(TileState& st, const char* q_s, cons
   }
   // Mask and online softmax (base 2). A masked key is -inf; a NaN score never becomes the max
   // (fmaxf) and turns its row NaN through its weight.
+  // bf16: the scale is > 0 (validated), so the max is taken before scaling and the scale folds
+  // into the exponent's FMA (as the wgmma loop); e4m3 (per-row scales) scales first.
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt)
@@ -337,26 +368,20 @@ __device__ __forceinline__ void tile_keys16(TileState& st, const char* q_s, cons
     for (int e = 0; e < 4; ++e) {
       const int rs = e >> 1, key = key0 + nt * 8 + 2 * c + (e & 1);
       const bool vis = unsigned(key - lo[rs]) < unsigned(hi[rs] - lo[rs]);
-      const float sc = kFp8 ? (rs ? row_scale.y : row_scale.x) : scale_log2;
-      s[nt][e] = vis ? s[nt][e] * sc : -INFINITY;
+      if constexpr (kFp8) s[nt][e] *= rs ? row_scale.y : row_scale.x;
+      s[nt][e] = vis ? s[nt][e] : -INFINITY;
       mx[rs] = fmaxf(mx[rs], s[nt][e]);
     }
-  float alpha[2];
-#pragma unroll
-  for (int rs = 0; rs < 2; ++rs) {
-    mx[rs] = fmaxf(mx[rs], __shfl_xor_sync(kFull, mx[rs], 1));
-    mx[rs] = fmaxf(mx[rs], __shfl_xor_sync(kFull, mx[rs], 2));
-    const float m_new = fmaxf(st.m[rs], mx[rs]);
-    alpha[rs] = m_new == -INFINITY ? 1.f : exp2f(st.m[rs] - m_new);
-    st.m[rs] = m_new;
-  }
+  const float sc = kFp8 ? 1.f : scale_log2;
+  float alpha[2], m_sub[2];
+  advance_max(st.m, mx, sc, alpha, m_sub);
   float sum[2] = {0.f, 0.f};
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int rs = e >> 1;
-      s[nt][e] = st.m[rs] == -INFINITY ? 0.f : exp2f(s[nt][e] - st.m[rs]);
+      s[nt][e] = exp2_ftz(fmaf(s[nt][e], sc, -m_sub[rs]));
       sum[rs] += s[nt][e];
     }
 #pragma unroll
@@ -452,8 +477,14 @@ struct ChunkLoader {
         dst[k] = row0 * kRow + ((pc ^ (kFp8 ? swz_e4m3(row) : swz_bf16(row))) * 16);
     }
   }
-  // Keys at or past valid_keys are zero-filled.
+  // Keys at or past valid_keys are zero-filled (a full chunk takes no per-row predicate).
   __device__ __forceinline__ void issue(char* stage, const char* chunk, int valid_keys) const {
+    if (valid_keys >= kChunkKeys) {
+#pragma unroll
+      for (int k = 0; k < kPasses; ++k)
+        cp_async_16z(stage + dst[k & 1] + k * kRowsPerPass * kDstRow, chunk + src0 + k * kRowsPerPass * kRow, 16);
+      return;
+    }
 #pragma unroll
     for (int k = 0; k < kPasses; ++k)
       cp_async_16z(stage + dst[k & 1] + k * kRowsPerPass * kDstRow, chunk + src0 + k * kRowsPerPass * kRow,
@@ -571,12 +602,6 @@ __device__ __forceinline__ void cluster_merge(const ClusterMergeArgs& a) {
 // V as the MN-major B operand: 64-dim regions kChunkKeys * 128 bytes apart (the descriptor's
 // leading offset), 8-key atoms 1024 bytes apart (its stride offset).
 [[maybe_unused]] constexpr uint32_t kWgVLeading = kChunkKeys * 128, kWgVStride = 1024;
-// 2^x on the MUFU unit alone (subnormal results flush to 0: weights below 2^-126 of the row max).
-[[maybe_unused]] __device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // An e4m3 chunk (raw stage: 64 rows of 256 bytes, 16-byte piece pc of row r at pc ^ (r % 8)) as
 // the image the wgmma loop reads: K and V as f16 (exact), 128-byte swizzle.
@@ -694,15 +719,7 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
         }
       }
       float alpha[2], m_sub[2];
-#pragma unroll
-      for (int rs = 0; rs < 2; ++rs) {
-        mx[rs] = fmaxf(mx[rs], __shfl_xor_sync(kFull, mx[rs], 1));
-        mx[rs] = fmaxf(mx[rs], __shfl_xor_sync(kFull, mx[rs], 2));
-        const float m_new = fmaxf(st.m[rs], mx[rs] * sc);
-        alpha[rs] = m_new == -INFINITY ? 1.f : exp2f(st.m[rs] - m_new);
-        st.m[rs] = m_new;
-        m_sub[rs] = m_new == -INFINITY ? 0.f : m_new;  // a row with no key yet: its -inf scores weigh 0
-      }
+      advance_max(st.m, mx, sc, alpha, m_sub);
       float sum[2] = {0.f, 0.f};
 #pragma unroll
       for (int k = 0; k < 32; ++k) {

@@ -163,11 +163,23 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
     return msa_decode_splits(c.B, c.dql, kHq, kHkv, kTopk, c.ctx / kPageTokens, fp8);
   };
   std::vector<Case> decode_cases;
-  // M3RT_BENCH_MSA_DECODE_ONLY=1 (tuning): dql-1 decode at 32K, no ratios, no verify or prefill.
+  // M3RT_BENCH_MSA_DECODE_ONLY=1 (tuning): dql-1 decode at 32K, no ratios, no verify or prefill;
+  // there M3RT_BENCH_MSA_BATCHES (e.g. "32,64,96") replaces the batch sizes 1, 32, 128.
   const bool decode_only = std::getenv("M3RT_BENCH_MSA_DECODE_ONLY") != nullptr;
+  std::vector<int> batches = env.quick ? std::vector<int>{1, 32} : std::vector<int>{1, 32, 128};
+  if (const char* list = std::getenv("M3RT_BENCH_MSA_BATCHES"); decode_only && list && *list) {
+    batches.clear();
+    for (const char* at = list; *at;) {
+      char* end = nullptr;
+      const long b = std::strtol(at, &end, 10);
+      if (end == at || b < 1 || b > 4096)
+        throw Error(std::string("M3RT_BENCH_MSA_BATCHES: '") + list + "' is not a list of batch sizes in 1..4096");
+      batches.push_back(int(b));
+      at = *end == ',' ? end + 1 : end;
+    }
+  }
   for (int ctx : env.quick || decode_only ? std::vector<int>{32768} : std::vector<int>{32768, 131072})
-    for (int B : env.quick ? std::vector<int>{1, 32} : std::vector<int>{1, 32, 128})
-      decode_cases.push_back({B, ctx, 1});
+    for (int B : batches) decode_cases.push_back({B, ctx, 1});
   if (!decode_only) decode_cases.push_back({32, 32768, 8});  // verify
   for (bool fp8 : {false, true}) {
     const KvCacheDtype kd = fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;

@@ -1311,7 +1311,7 @@ struct D1Layout {
   int stage_bytes, stages, q_off, list_off, ml_off, misc_off, qf_off, bar_off, total;
 };
 // tma: the stages start at the first 1024-byte boundary of the dynamic shared memory (the 128-byte
-// swizzle's atoms), within the 1024 bytes the layout adds before the queries; one mbarrier a stage.
+// swizzle's atoms), within the 1024 bytes the layout adds before the queries; two mbarriers a stage.
 __host__ __device__ inline D1Layout d1_layout(bool fp8, int stages, bool tma = false) {
   D1Layout l{};
   l.stage_bytes = kChunkKeys * (fp8 ? 256 : 512);
@@ -1324,13 +1324,15 @@ __host__ __device__ inline D1Layout d1_layout(bool fp8, int stages, bool tma = f
   l.misc_off = l.ml_off + (kD1Parts + 2) * kD1Rows * 8 + kMaxSplits * kD1Rows * 4;
   l.qf_off = l.misc_off + 16;                              // [0] chunks, [1] last split
   l.bar_off = l.qf_off + (fp8 ? kD1Rows * 4 : 0);          // e4m3: the rows' query factors
-  l.total = l.bar_off + (tma ? 8 * stages : 0);
+  l.total = l.bar_off + (tma ? 16 * stages : 0);  // full[stages], empty[stages]
   return l;
 }
 
 // kTma (e4m3, sm_90): each chunk arrives as two 64-key x 128-byte boxes of p.cache_map (K, V; the
 // copy engine's 128-byte swizzle, lane_offsets<true, true>) issued by thread 0 and completing on
-// the stage's mbarrier, instead of 8 cp.async a thread; the rows of a partial chunk past seq_len
+// the stage's `full` mbarrier, instead of 8 cp.async a thread; each warp releases a stage on its
+// `empty` mbarrier, which thread 0 waits on before refilling it, so the loop has no CTA barrier
+// and the warps drift apart by up to stages - 1 chunks. The rows of a partial chunk past seq_len
 // (stale page contents, possibly NaN) get their V zeroed by the warp that reads them.
 template <bool kFp8, bool kCluster, bool kTma = false>
 __global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
@@ -1340,6 +1342,7 @@ __global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
   const D1Layout L = d1_layout(kFp8, stages, kTma);
   char* area = kTma ? smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u) : smem;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L.bar_off);  // kTma: stage s's chunk has landed
+  uint64_t* empty = full + stages;                                   // kTma: every warp is done with it
   char* q_s = smem + L.q_off;
   int2* list = reinterpret_cast<int2*>(smem + L.list_off);
   float2* part_ml = reinterpret_cast<float2*>(smem + L.ml_off);  // [kD1Parts][16]
@@ -1369,7 +1372,10 @@ __global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
   }
   if constexpr (kTma) {
     if (tid == 0) {
-      for (int s = 0; s < stages; ++s) kernels::mbar_init(&full[s], 1);
+      for (int s = 0; s < stages; ++s) {
+        kernels::mbar_init(&full[s], 1);
+        kernels::mbar_init(&empty[s], kD1Parts);
+      }
       kernels::fence_mbarrier_init();
     }
   }
@@ -1434,8 +1440,10 @@ __global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
   const ChunkLoader<kFp8, kD1Threads> loader;
   const char* cache = static_cast<const char*>(p.cache);
   auto issue = [&](int c, int slot) {
-    if constexpr (kTma) {  // thread 0: two boxes on the stage's mbarrier
+    if constexpr (kTma) {  // thread 0: two boxes on the stage's mbarrier, once every warp released it
       if (tid == 0 && c < c_end) {
+        const int fill = (c - c_begin) / stages;  // the slot's fill number
+        if (fill > 0) kernels::mbar_wait(&empty[slot], uint32_t(fill - 1) & 1u);
         const int2 e = list[c];
         char* dst = area + slot * L.stage_bytes;
         kernels::mbar_arrive_expect_tx(&full[slot], uint32_t(L.stage_bytes));
@@ -1475,7 +1483,7 @@ __global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
   const int key0 = warp * 16;  // this warp's keys of every chunk
   for (int c = c_begin; c < c_end; ++c) {
     const int i = c - c_begin;
-    issue(c + stages - 1, (i + stages - 1) % stages);
+    if constexpr (!kTma) issue(c + stages - 1, (i + stages - 1) % stages);
     char* stage = area + (i % stages) * L.stage_bytes;
     if constexpr (kTma) {
       kernels::mbar_wait(&full[i % stages], uint32_t(i / stages) & 1u);
@@ -1498,7 +1506,13 @@ __global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
       const int rlo[2] = {clo, clo}, rhi[2] = {chi, chi};
       tile_keys16<kFp8, kTma>(st, q_s, stage + key0 * kStageRow, off, key0, rlo, rhi, scale_log2, row_scale);
     }
-    __syncthreads();  // the stage is refilled next iteration
+    if constexpr (kTma) {
+      __syncwarp();
+      if (lane == 0) kernels::mbar_arrive(&empty[i % stages]);  // this warp is done with the stage
+      issue(c + stages - 1, (i + stages - 1) % stages);          // the slot chunk c - 1 used
+    } else {
+      __syncthreads();  // the stage is refilled next iteration
+    }
   }
   cp_async_wait<0>();
   __syncthreads();
@@ -1707,7 +1721,7 @@ KernelConfig decode1_config(bool fp8, bool tma) {
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
   const D1Layout base = d1_layout(fp8, 0, tma);
-  const int fixed = base.total - base.q_off + (tma ? 1024 + 8 * 8 : 0);  // tma: alignment, 8 barriers at most
+  const int fixed = base.total - base.q_off + (tma ? 1024 + 16 * 8 : 0);  // tma: alignment, barriers (8 stages at most)
   const int most = std::min(8, (optin - fixed) / base.stage_bytes);  // 2 fit any sm_80+ GPU
   int stages = std::clamp((per_sm / d1_ctas_per_sm(fp8) - 1024 - fixed) / base.stage_bytes, 2, most);
   stages = std::clamp(env_int("M3RT_MSA_D1_STAGES", stages), 2, most);  // tuning knob for benches

@@ -34,8 +34,6 @@ step check-mma-sync check.log env M3RT_MSA_WGMMA=0 "$BUILD_DIR/m3rt" check --dev
 # global-memory merge instead of the cluster one.
 step check-msa-general check.log env M3RT_MSA_DECODE1=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode
 step check-global-merge check.log env M3RT_MSA_CLUSTER=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode
-# e4m3 dql 1 with the cp.async loader instead of the tensor-map copies.
-step check-d1-cp-async check.log env M3RT_MSA_D1_TMA=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode
 step check-sync check.log env M3RT_SYNC_CHECK=1 "$BUILD_DIR/m3rt" check --device cuda
 # A build without sm_90a code (sm_80 SASS + compute_80 PTX) must take the portable paths on Hopper.
 step check-sm80-build check.log bash -c "cmake -S . -B $BUILD_DIR-sm80 -G Ninja -DCMAKE_BUILD_TYPE=Release -DM3RT_BUILD_TESTS=OFF '-DM3RT_CUDA_GENCODE=-gencode=arch=compute_80,code=sm_80;-gencode=arch=compute_80,code=compute_80' -DM3RT_GIT_COMMIT=$COMMIT >/dev/null && cmake --build $BUILD_DIR-sm80 -j $(nproc) --target m3rt >/dev/null && $BUILD_DIR-sm80/m3rt check --device cuda --filter msa && $BUILD_DIR-sm80/m3rt check --device cuda --filter indexer"

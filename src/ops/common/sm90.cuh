@@ -39,33 +39,18 @@ inline bool hopper_paths_run() {
   return major == 9;
 }
 
-// mbarriers (shared::cta) and a bulk copy that completes on one. These helpers (and the fences
-// and tensor copy below) are sm_90 instructions: built for an older target they trap, so a kernel
-// instance that would only run on Hopper still compiles in a portable build.
+// mbarriers (shared::cta) and a bulk copy that completes on one.
 [[maybe_unused]] __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-#if __CUDA_ARCH__ >= 900
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-#elif defined(__CUDA_ARCH__)
-  __trap();  // sm_90 code only
-#endif
 }
 [[maybe_unused]] __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-#if __CUDA_ARCH__ >= 900
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-#elif defined(__CUDA_ARCH__)
-  __trap();  // sm_90 code only
-#endif
 }
 [[maybe_unused]] __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-#if __CUDA_ARCH__ >= 900
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
                : "memory");
-#elif defined(__CUDA_ARCH__)
-  __trap();  // sm_90 code only
-#endif
 }
 [[maybe_unused]] __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-#if __CUDA_ARCH__ >= 900
   uint32_t done = 0;
   do {
     asm volatile(
@@ -74,52 +59,18 @@ inline bool hopper_paths_run() {
         : "r"(smem_u32(bar)), "r"(parity)
         : "memory");
   } while (!done);
-#elif defined(__CUDA_ARCH__)
-  __trap();  // sm_90 code only
-#endif
 }
 // Global -> shared bulk copy (16-byte aligned, size a multiple of 16), completing on `bar`.
 [[maybe_unused]] __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes,
                                                                      uint64_t* bar) {
-#if __CUDA_ARCH__ >= 900
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
                    smem_u32(dst)),
                "l"(src), "r"(bytes), "r"(smem_u32(bar))
                : "memory");
-#elif defined(__CUDA_ARCH__)
-  __trap();  // sm_90 code only
-#endif
-}
-// Global -> shared box of a 4-D tensor map (cp.async.bulk.tensor, the map's swizzle applied),
-// completing on `bar`; coordinates in elements, innermost first. `map`: a CUtensorMap in kernel
-// parameter (__grid_constant__), constant or global memory.
-[[maybe_unused]] __device__ __forceinline__ void tma_load_4d(void* dst, const void* map, int c0, int c1, int c2, int c3,
-                                                             uint64_t* bar) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
-      "[%6];\n" ::"r"(smem_u32(dst)),
-      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar))
-      : "memory");
-#elif defined(__CUDA_ARCH__)
-  __trap();  // sm_90 code only
-#endif
-}
-// mbarrier initializations visible to the async proxy (the copy engine) before its first copy.
-[[maybe_unused]] __device__ __forceinline__ void fence_mbarrier_init() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#elif defined(__CUDA_ARCH__)
-  __trap();  // sm_90 code only
-#endif
 }
 // Generic-proxy shared-memory writes (cp.async, st.shared) ordered before async-proxy reads (wgmma).
 [[maybe_unused]] __device__ __forceinline__ void fence_proxy_async() {
-#if __CUDA_ARCH__ >= 900
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#elif defined(__CUDA_ARCH__)
-  __trap();  // sm_90 code only
-#endif
 }
 [[maybe_unused]] __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 [[maybe_unused]] __device__ __forceinline__ void wgmma_commit() {

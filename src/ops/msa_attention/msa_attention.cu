@@ -45,7 +45,6 @@
 //
 // Reference: msa_attention_ref.cpp; checks: check_msa_attention.cpp, tests/test_gpu.cu; bench:
 // bench_msa_attention.cu; design and numbers: README.md.
-#include <cuda.h>  // CUtensorMap (no libcuda link: the encoder comes from the runtime's entry points)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cooperative_groups.h>
@@ -54,7 +53,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <cstring>
 #include <initializer_list>
 #include <mutex>
 #include <string>
@@ -269,20 +267,10 @@ struct LaneOffsets {
   int v[4];    // V row 2c + e: bf16 pieces (16 + 2g + h) ^ swz(2c + e) at [2e + h]; e4m3 (8 + g) ^ (2c + e) at [e]
 };
 
-// kImg (e4m3, msa_decode1_kernel's tensor-map loads): a stage as two regions of 64 key rows x 128
-// bytes, K then V (16-byte piece q of row r at q ^ (r % 8): the copy engine's 128-byte swizzle,
-// the same pieces as swz_e4m3 in rows half as long).
 template <bool kFp8>
-__host__ __device__ constexpr int stage_row_bytes(bool img) {
-  return img ? 128 : (kFp8 ? 256 : 512);
-}
-constexpr int kImgVOffset = kChunkKeys * 128;  // kImg: the V region
-
-template <bool kFp8, bool kImg = false>
 __device__ __forceinline__ LaneOffsets lane_offsets(int tile) {
-  static_assert(!kImg || kFp8, "the tensor-map stage holds e4m3 rows");
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  constexpr int kRow = stage_row_bytes<kFp8>(kImg), kVBase = kImg ? kImgVOffset : 0;
+  constexpr int kRow = kFp8 ? 256 : 512;
   LaneOffsets o;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -294,7 +282,7 @@ __device__ __forceinline__ LaneOffsets lane_offsets(int tile) {
 #pragma unroll
     for (int s = 0; s < 8; ++s) o.k[s] = g * kRow + (s ^ swz_e4m3(g)) * 16 + c * 4;
 #pragma unroll
-    for (int e = 0; e < 2; ++e) o.v[e] = kVBase + (2 * c + e) * kRow + (((kImg ? 0 : 8) + g) ^ swz_e4m3(2 * c + e)) * 16;
+    for (int e = 0; e < 2; ++e) o.v[e] = (2 * c + e) * kRow + ((8 + g) ^ swz_e4m3(2 * c + e)) * 16;
   } else {
 #pragma unroll
     for (int e = 0; e < 2; ++e)
@@ -342,12 +330,11 @@ struct TileState {
 };
 
 // row_scale: e4m3, the scale of the thread's rows g, g + 8 (scale_log2 times the rows' Q factors).
-// kImg: the stage layout of lane_offsets<kFp8, true>.
-template <bool kFp8, bool kImg = false>
+template <bool kFp8>
 __device__ __forceinline__ void tile_keys16(TileState& st, const char* q_s, const char* keys, const LaneOffsets& off,
                                             int key0, const int (&lo)[2], const int (&hi)[2], float scale_log2,
                                             float2 row_scale) {
-  constexpr int kRow = stage_row_bytes<kFp8>(kImg);
+  constexpr int kRow = kFp8 ? 256 : 512;
   const int c = threadIdx.x % 4;
   float s[2][4] = {};
 #pragma unroll
@@ -1308,41 +1295,29 @@ constexpr int kD1MaxCtasPerSm = 3;
 __host__ __device__ constexpr int d1_ctas_per_sm(bool fp8) { return fp8 ? 3 : 2; }
 
 struct D1Layout {
-  int stage_bytes, stages, q_off, list_off, ml_off, misc_off, qf_off, bar_off, total;
+  int stage_bytes, stages, q_off, list_off, ml_off, misc_off, qf_off, total;
 };
-// tma: the stages start at the first 1024-byte boundary of the dynamic shared memory (the 128-byte
-// swizzle's atoms), within the 1024 bytes the layout adds before the queries; two mbarriers a stage.
-__host__ __device__ inline D1Layout d1_layout(bool fp8, int stages, bool tma = false) {
+__host__ __device__ inline D1Layout d1_layout(bool fp8, int stages) {
   D1Layout l{};
   l.stage_bytes = kChunkKeys * (fp8 ? 256 : 512);
   l.stages = stages;
   const int planes = kD1Parts * kD1Rows * 512;  // the key parts' fp32 output rows, after the loop
-  l.q_off = (stages * l.stage_bytes > planes ? stages * l.stage_bytes : planes) + (tma ? 1024 : 0);
+  l.q_off = stages * l.stage_bytes > planes ? stages * l.stage_bytes : planes;
   l.list_off = l.q_off + kD1Rows * 256;                    // bf16 (e4m3 pages: f16) queries
   l.ml_off = l.list_off + 2 * kMsaMaxTopk * 8;             // int2 {key position, page} per chunk
   // (m, l): key parts [kD1Parts][16], rows [16], merged [16]; split weights [kMaxSplits][16]
   l.misc_off = l.ml_off + (kD1Parts + 2) * kD1Rows * 8 + kMaxSplits * kD1Rows * 4;
   l.qf_off = l.misc_off + 16;                              // [0] chunks, [1] last split
-  l.bar_off = l.qf_off + (fp8 ? kD1Rows * 4 : 0);          // e4m3: the rows' query factors
-  l.total = l.bar_off + (tma ? 16 * stages : 0);  // full[stages], empty[stages]
+  l.total = l.qf_off + (fp8 ? kD1Rows * 4 : 0);            // e4m3: the rows' query factors
   return l;
 }
 
-// kTma (e4m3, sm_90): each chunk arrives as two 64-key x 128-byte boxes of p.cache_map (K, V; the
-// copy engine's 128-byte swizzle, lane_offsets<true, true>) issued by thread 0 and completing on
-// the stage's `full` mbarrier, instead of 8 cp.async a thread; each warp releases a stage on its
-// `empty` mbarrier, which thread 0 waits on before refilling it, so the loop has no CTA barrier
-// and the warps drift apart by up to stages - 1 chunks. The rows of a partial chunk past seq_len
-// (stale page contents, possibly NaN) get their V zeroed by the warp that reads them.
-template <bool kFp8, bool kCluster, bool kTma = false>
+template <bool kFp8, bool kCluster>
 __global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
     msa_decode1_kernel(const __grid_constant__ MsaParams p, int stages) {
-  static_assert(!kTma || kFp8, "the tensor-map loads hold e4m3 chunks");
   extern __shared__ __align__(128) char smem[];
-  const D1Layout L = d1_layout(kFp8, stages, kTma);
-  char* area = kTma ? smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u) : smem;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L.bar_off);  // kTma: stage s's chunk has landed
-  uint64_t* empty = full + stages;                                   // kTma: every warp is done with it
+  const D1Layout L = d1_layout(kFp8, stages);
+  char* area = smem;
   char* q_s = smem + L.q_off;
   int2* list = reinterpret_cast<int2*>(smem + L.list_off);
   float2* part_ml = reinterpret_cast<float2*>(smem + L.ml_off);  // [kD1Parts][16]
@@ -1356,7 +1331,6 @@ __global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
   const int splits = p.num_splits > 1 ? p.num_splits : 1;
   const int G = p.num_heads / p.num_kv_heads;
   constexpr int64_t kRowBytes = kFp8 ? 256 : 512;
-  constexpr int kStageRow = stage_row_bytes<kFp8>(kTma);
 
   // Queries: the first cp.async group (rows past G zero-filled).
   for (int idx = tid; idx < kD1Rows * 16; idx += kD1Threads) {
@@ -1369,15 +1343,6 @@ __global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
   if (seq_len < 0 || (int64_t(seq_len) + kPage - 1) / kPage > p.max_blocks) {  // uniform over the splits
     cp_async_wait<0>();
     return;
-  }
-  if constexpr (kTma) {
-    if (tid == 0) {
-      for (int s = 0; s < stages; ++s) {
-        kernels::mbar_init(&full[s], 1);
-        kernels::mbar_init(&empty[s], kD1Parts);
-      }
-      kernels::fence_mbarrier_init();
-    }
   }
   // The token at position seq_len - 1 sees keys [lo, hi) (causal or not: hi = seq_len).
   const int hi = seq_len, lo = p.window_left > 0 ? max(0, seq_len - p.window_left) : 0;
@@ -1439,33 +1404,20 @@ __global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
   const float scale_log2 = p.softmax_scale * k_scale * kLog2e;
   const ChunkLoader<kFp8, kD1Threads> loader;
   const char* cache = static_cast<const char*>(p.cache);
-  auto issue = [&](int c, int slot) {
-    if constexpr (kTma) {  // thread 0: two boxes on the stage's mbarrier, once every warp released it
-      if (tid == 0 && c < c_end) {
-        const int fill = (c - c_begin) / stages;  // the slot's fill number
-        if (fill > 0) kernels::mbar_wait(&empty[slot], uint32_t(fill - 1) & 1u);
-        const int2 e = list[c];
-        char* dst = area + slot * L.stage_bytes;
-        kernels::mbar_arrive_expect_tx(&full[slot], uint32_t(L.stage_bytes));
-        for (int r = 0; r < 2; ++r)
-          kernels::tma_load_4d(dst + r * kImgVOffset, p.cache_map, r * 128, e.x % kPage, kv_head, e.y, &full[slot]);
-      }
-    } else {  // one cp.async group per chunk, empty past the split's end
-      if (c < c_end) {
-        const int2 e = list[c];
-        const int half = (e.x / kChunkKeys) & 1;
-        const char* chunk = cache + ((int64_t(e.y) * p.num_kv_heads + kv_head) * kPage + half * kChunkKeys) * kRowBytes;
-        loader.issue(area + slot * L.stage_bytes, chunk, min(kChunkKeys, seq_len - e.x));
-      }
-      cp_async_commit();
+  auto issue = [&](int c, int slot) {  // one cp.async group per chunk, empty past the split's end
+    if (c < c_end) {
+      const int2 e = list[c];
+      const int half = (e.x / kChunkKeys) & 1;
+      const char* chunk = cache + ((int64_t(e.y) * p.num_kv_heads + kv_head) * kPage + half * kChunkKeys) * kRowBytes;
+      loader.issue(area + slot * L.stage_bytes, chunk, min(kChunkKeys, seq_len - e.x));
     }
+    cp_async_commit();
   };
   for (int i = 0; i < stages - 1; ++i) issue(c_begin + i, i);
   float2 row_scale = make_float2(scale_log2, scale_log2);
   if constexpr (kFp8) {
     float* q_factor = reinterpret_cast<float*>(smem + L.qf_off);
-    if constexpr (kTma) cp_async_wait<0>();  // the queries (the only cp.async group)
-    else cp_async_wait_dyn(stages - 1);      // the queries (the oldest group)
+    cp_async_wait_dyn(stages - 1);  // the queries (the oldest group)
     __syncthreads();
     q_rows_to_f16<kD1Threads>(q_s, q_factor, G);
     __syncthreads();
@@ -1479,40 +1431,21 @@ __global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
     for (int e = 0; e < 4; ++e) st.o[j][e] = 0.f;
   st.m[0] = st.m[1] = -INFINITY;
   st.l[0] = st.l[1] = 0.f;
-  const LaneOffsets off = lane_offsets<kFp8, kTma>(0);
+  const LaneOffsets off = lane_offsets<kFp8>(0);
   const int key0 = warp * 16;  // this warp's keys of every chunk
   for (int c = c_begin; c < c_end; ++c) {
     const int i = c - c_begin;
-    if constexpr (!kTma) issue(c + stages - 1, (i + stages - 1) % stages);
-    char* stage = area + (i % stages) * L.stage_bytes;
-    if constexpr (kTma) {
-      kernels::mbar_wait(&full[i % stages], uint32_t(i / stages) & 1u);
-    } else {
-      cp_async_wait_dyn(stages - 1);
-      __syncthreads();
-    }
+    issue(c + stages - 1, (i + stages - 1) % stages);
+    cp_async_wait_dyn(stages - 1);
+    __syncthreads();
     const int pos = list[c].x;
     const int clo = min(max(lo - pos, 0), kChunkKeys), chi = min(max(hi - pos, clo), kChunkKeys);
     if (chi > key0 && clo < key0 + 16) {
-      if constexpr (kTma) {
-        if (chi < key0 + 16) {  // rows past seq_len: V zeroed (a weight of 0 times stale NaN is NaN)
-          char* v_rows = stage + kImgVOffset + chi * 128;
-          for (int x = lane; x < (key0 + 16 - chi) * 8; x += 32)
-            *reinterpret_cast<uint4*>(v_rows + x * 16) = make_uint4(0u, 0u, 0u, 0u);
-          kernels::fence_proxy_async();  // before the stage's next bulk copy
-          __syncwarp();
-        }
-      }
       const int rlo[2] = {clo, clo}, rhi[2] = {chi, chi};
-      tile_keys16<kFp8, kTma>(st, q_s, stage + key0 * kStageRow, off, key0, rlo, rhi, scale_log2, row_scale);
+      tile_keys16<kFp8>(st, q_s, area + (i % stages) * L.stage_bytes + key0 * kRowBytes, off, key0, rlo, rhi,
+                        scale_log2, row_scale);
     }
-    if constexpr (kTma) {
-      __syncwarp();
-      if (lane == 0) kernels::mbar_arrive(&empty[i % stages]);  // this warp is done with the stage
-      issue(c + stages - 1, (i + stages - 1) % stages);          // the slot chunk c - 1 used
-    } else {
-      __syncthreads();  // the stage is refilled next iteration
-    }
+    __syncthreads();  // the stage is refilled next iteration
   }
   cp_async_wait<0>();
   __syncthreads();
@@ -1677,65 +1610,24 @@ bool use_decode1(int decode_query_len) {
   return !switched_off("M3RT_MSA_DECODE1");
 }
 
-// The e4m3 cache [num_cache_blocks, Hkv, 128, 256] as a tensor map of bytes (dims innermost
-// first: row byte, key, KV head, page) with 128 x 64 boxes (half a row of 64 keys) and the 128-byte
-// swizzle, written into p.cache_map; false when the driver has no encoder or refuses the shape
-// (then the cp.async loader runs). The encoder is host arithmetic (no device call, no sync).
-bool encode_cache_map(MsaParams& p) {
-  static_assert(sizeof(CUtensorMap) == sizeof(p.cache_map) && alignof(CUtensorMap) <= alignof(MsaParams), "CUtensorMap size");
-  using Encode = decltype(&cuTensorMapEncodeTiled);
-  static const Encode encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess)
-      fn = nullptr;
-    (void)cudaGetLastError();
-    return reinterpret_cast<Encode>(fn);
-  }();
-  if (encode == nullptr || p.num_cache_blocks <= 0) return false;
-  const cuuint64_t dims[4] = {256, cuuint64_t(kPage), cuuint64_t(p.num_kv_heads), cuuint64_t(p.num_cache_blocks)};
-  const cuuint64_t strides[3] = {256, cuuint64_t(kPage) * 256, cuuint64_t(p.num_kv_heads) * kPage * 256};  // bytes
-  const cuuint32_t box[4] = {128, cuuint32_t(kChunkKeys), 1, 1}, unit[4] = {1, 1, 1, 1};
-  CUtensorMap map;
-  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(p.cache), dims, strides, box,
-                            unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) return false;
-  std::memcpy(p.cache_map, &map, sizeof(map));
-  return true;
-}
-
-// Whether an e4m3 dql-1 decode loads its chunks through the tensor map (sm_90 code on a Hopper GPU;
-// M3RT_MSA_D1_TMA=0 keeps the cp.async loader, for benchmarks).
-bool use_d1_tma(bool fp8) {
-  return fp8 && kernels::hopper_paths_run() && !switched_off("M3RT_MSA_D1_TMA");
-}
-
 // msa_decode1_kernel's instance and shared memory: d1_ctas_per_sm CTAs per SM, as many 64-key
-// stages as fit their share (bf16 3, e4m3 4 on an H200), at most 8. tma: the kTma instance (e4m3).
-KernelConfig decode1_config(bool fp8, bool tma) {
+// stages as fit their share (bf16 3, e4m3 4 on an H200), at most 8.
+KernelConfig decode1_config(bool fp8) {
   int dev = 0, per_sm = 0, optin = 0;
   M3RT_CUDA_CHECK(cudaGetDevice(&dev));
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  const D1Layout base = d1_layout(fp8, 0, tma);
-  const int fixed = base.total - base.q_off + (tma ? 1024 + 16 * 8 : 0);  // tma: alignment, barriers (8 stages at most)
+  const D1Layout base = d1_layout(fp8, 0);
+  const int fixed = base.total - base.q_off;
   const int most = std::min(8, (optin - fixed) / base.stage_bytes);  // 2 fit any sm_80+ GPU
   int stages = std::clamp((per_sm / d1_ctas_per_sm(fp8) - 1024 - fixed) / base.stage_bytes, 2, most);
   stages = std::clamp(env_int("M3RT_MSA_D1_STAGES", stages), 2, most);  // tuning knob for benches
   KernelConfig cfg{};
-  if (tma) {
-    cfg.fn = msa_decode1_kernel<true, false, true>;
-    cfg.cluster_fn = msa_decode1_kernel<true, true, true>;
-  } else {
-    cfg.fn = fp8 ? msa_decode1_kernel<true, false> : msa_decode1_kernel<false, false>;
-    cfg.cluster_fn = fp8 ? msa_decode1_kernel<true, true> : msa_decode1_kernel<false, true>;
-  }
+  cfg.fn = fp8 ? msa_decode1_kernel<true, false> : msa_decode1_kernel<false, false>;
+  cfg.cluster_fn = fp8 ? msa_decode1_kernel<true, true> : msa_decode1_kernel<false, true>;
   cfg.threads = kD1Threads;
   cfg.stages = stages;
-  cfg.smem = d1_layout(fp8, stages, tma).total;
+  cfg.smem = d1_layout(fp8, stages).total;
   raise_smem_limit({cfg.fn, cfg.cluster_fn}, cfg.smem);
   return cfg;
 }
@@ -1822,10 +1714,8 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   if (splits > kMaxSplits || (splits > 1 && (p.part_o == nullptr || p.part_ml == nullptr || p.counters == nullptr)))
     throw Error("msa_attention: split decode without its scratch (internal)");
   const bool d1 = !p.cu_seqlens_q && use_decode1(p.decode_query_len);
-  MsaParams call = p;
-  const bool tma = d1 && use_d1_tma(p.fp8) && encode_cache_map(call);
-  const KernelConfig cfg = d1 ? decode1_config(p.fp8, tma)
-                              : kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, groups * p.num_kv_heads * splits);
+  const KernelConfig cfg =
+      d1 ? decode1_config(p.fp8) : kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, groups * p.num_kv_heads * splits);
   const dim3 grid(unsigned(groups), unsigned(p.num_kv_heads), unsigned(splits));
   if (splits > 1 && cluster_merge_fits(cfg, grid, splits)) {
     // Split decode on Hopper: each group's splits form one cluster and merge through DSMEM.
@@ -1839,9 +1729,9 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
     attr.val.clusterDim.x = 1, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = unsigned(splits);
     lc.attrs = &attr;
     lc.numAttrs = 1;
-    M3RT_CUDA_CHECK(cudaLaunchKernelEx(&lc, cfg.cluster_fn, call, cfg.stages));
+    M3RT_CUDA_CHECK(cudaLaunchKernelEx(&lc, cfg.cluster_fn, p, cfg.stages));
   } else {
-    cfg.fn<<<grid, cfg.threads, cfg.smem, stream>>>(call, cfg.stages);
+    cfg.fn<<<grid, cfg.threads, cfg.smem, stream>>>(p, cfg.stages);
   }
   M3RT_LAUNCH_CHECK(stream, d1 ? "msa_decode1_kernel" : "msa_sparse_kernel");
 }

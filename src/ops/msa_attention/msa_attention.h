@@ -52,9 +52,6 @@ struct MsaParams {
   float* part_ml;               // [groups * Hkv * num_splits, msa_group_rows, 2]: running max (log2), sum
   int* counters;                // [groups * Hkv], zero between calls (unused by cluster launches,
                                 // whose splits merge through DSMEM)
-  // Filled by the launcher, never by callers: the e4m3 cache as a CUDA tensor map (an opaque
-  // CUtensorMap) for the bulk tensor copies of the Hopper dql-1 decode kernel.
-  alignas(128) unsigned char cache_map[128];
 };
 
 // The tensor-core kernel's geometry (shared by the plan, which sizes the split scratch, and the

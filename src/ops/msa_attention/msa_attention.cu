@@ -1339,6 +1339,20 @@ __global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
     cp_async_16z(q_s + row * 256 + ((pc ^ swz_bf16(row)) * 16), src, row < G ? 16 : 0);
   }
   cp_async_commit();
+  // Warp 0: the token's ids (entries lane, lane + 32) and the pages of those inside the table row,
+  // loaded before the length is known so that the three loads overlap (page ids are checked below).
+  const int K = p.topk_k;
+  int raw[2] = {-1, -1}, raw_page[2] = {-1, -1};
+  if (warp == 0) {
+    const int32_t* ids = p.topk + int64_t(kv_head) * p.topk_stride_h + t * p.topk_stride_t;
+    const int32_t* table = p.block_table + t * p.block_table_stride;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (lane + 32 * h < K) raw[h] = ids[int64_t(lane + 32 * h) * p.topk_stride_k];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (unsigned(raw[h]) < unsigned(p.max_blocks)) raw_page[h] = table[raw[h]];
+  }
   const int seq_len = p.seq_lens[t];
   if (seq_len < 0 || (int64_t(seq_len) + kPage - 1) / kPage > p.max_blocks) {  // uniform over the splits
     cp_async_wait<0>();
@@ -1347,17 +1361,13 @@ __global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
   // The token at position seq_len - 1 sees keys [lo, hi) (causal or not: hi = seq_len).
   const int hi = seq_len, lo = p.window_left > 0 ? max(0, seq_len - p.window_left) : 0;
   if (warp == 0) {
-    const int32_t* ids = p.topk + int64_t(kv_head) * p.topk_stride_h + t * p.topk_stride_t;
-    const int32_t* table = p.block_table + t * p.block_table_stride;
-    const int K = p.topk_k;
     const uint32_t before = (1u << lane) - 1u;
     int id[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {  // entries lane, lane + 32; a skipped one gets a unique negative id
-      const int e = lane + 32 * h;
-      const int v = e < K ? ids[int64_t(e) * p.topk_stride_k] : -1;
+    for (int h = 0; h < 2; ++h) {  // a skipped entry gets a unique negative id
+      const int v = raw[h];
       const bool vis = v >= 0 && int64_t(v) * kPage < hi && int64_t(v) * kPage + kPage > lo;
-      id[h] = vis ? v : -1 - e;
+      id[h] = vis ? v : -1 - (lane + 32 * h);
     }
     // Every lane runs the warp-wide matches and shuffles (no short-circuit around them).
     const uint32_t same0 = __match_any_sync(kFull, id[0]);
@@ -1373,7 +1383,7 @@ __global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
     int page[2], n[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      page[h] = first[h] ? table[id[h]] : -1;
+      page[h] = first[h] ? raw_page[h] : -1;  // a visible id is < ceil(seq_len / 128) <= max_blocks
       const bool ok = first[h] && page[h] >= 0 && page[h] < p.num_cache_blocks;
       const int k0 = ok ? id[h] * kPage : 0;
       n[h] = ok ? int(k0 < hi && k0 + kChunkKeys > lo) + int(k0 + kChunkKeys < hi && k0 + kPage > lo) : 0;

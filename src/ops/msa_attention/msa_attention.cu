@@ -1701,12 +1701,16 @@ int msa_decode_splits(int batch, int dql, int num_heads, int num_kv_heads, int t
   // The general kernel, one CTA per SM: more splits add a merge and a per-CTA start-up cost that
   // outweigh the second CTA an SM could hold (H200, M3 shapes: batch 32 at 1 split 47 us vs 2
   // splits 51 us; batch 1 at 16 splits 19 us vs 1 split 45 us).
-  // msa_decode1_kernel: as many splits as fill d1_ctas_per_sm CTAs per SM (M3 shapes on an H200:
-  // batch 1 16 splits, batch 32 2 (bf16) or 3 (e4m3), batch 128 1).
+  // msa_decode1_kernel: splits that fill about 3/4 of its d1_ctas_per_sm CTAs per SM, rounded
+  // (an extra split adds a merge and a CTA's start-up cost; a co-resident CTA hides latency). H200,
+  // M3 shapes, 32K, every batch 1..64 against splits 1..16 (docs/perf.md): this rule is within 7.5%
+  // of the best split count everywhere (1.2% on average); filling every slot was up to 23% off
+  // (bf16 batch 4, e4m3 batch 8). Batch 1 16 splits, 32 2 (both dtypes), 64 and more 1.
   const int64_t chunks = 2 * int64_t(std::min(tg * topk, max_blocks));
   const int64_t cap = std::min<int64_t>(chunks, kMaxSplits);
-  const int64_t slots = int64_t(detail::multiprocessor_count()) * (use_decode1(dql) ? d1_ctas_per_sm(fp8) : 1);
-  int64_t splits = std::clamp<int64_t>(slots / pairs, 1, cap);
+  const bool d1 = use_decode1(dql);
+  const int64_t slots = int64_t(detail::multiprocessor_count()) * (d1 ? d1_ctas_per_sm(fp8) : 1);
+  int64_t splits = std::clamp<int64_t>(d1 ? (3 * slots + 2 * pairs) / (4 * pairs) : slots / pairs, 1, cap);
   splits = std::clamp<int64_t>(env_int("M3RT_MSA_SPLITS", int(splits)), 1, cap);  // tuning knob for benches
   return int(splits);
 }

@@ -19,8 +19,7 @@
 #include <cstring>
 #include <functional>
 #include <random>
-#include <string>
-#include <tuple>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -28,6 +27,7 @@
 #include "check/check_util.h"
 #include "m3rt/m3rt.h"
 #include "ops/common/head_math.cuh"
+#include "ops/common/sm90.cuh"
 #include "ops/lightning_indexer/indexer_compare.h"
 #include "ops/lightning_indexer/lightning_indexer.h"
 
@@ -434,32 +434,41 @@ INSTANTIATE_TEST_SUITE_P(IndexDtype, GpuIndexerGraph, ::testing::Combine(::testi
 // queries change in place between replays.
 // Group 16 x dql 5: 80-row groups, split over clusters (on Hopper bf16 runs the wgmma loop); dql 1:
 // msa_decode1_kernel, 16 splits per (request, KV head).
-class GpuMsaGraph : public ::testing::TestWithParam<std::tuple<bool, int>> {};
+struct MsaDecodeCase {
+  static constexpr int B = 3, Hq = 32, Hkv = 2, K = 8, max_blocks = 12, pages = 40;
+  bool fp8;
+  int dql;
+  int64_t T;
+  Rng rng{91};
+  Device gd = Device::cuda();
+  Tensor cache, q, topk, lens, table, out, lse, ks, vs;
+  TensorView topk_hm;  // [Hkv, T, K] view of the [T, Hkv, K] buffer
+  std::unique_ptr<MsaDecodePlan> plan;
 
-TEST_P(GpuMsaGraph, ReplayAfterInPlaceChangesMatchesEagerBitwise) {
-  REQUIRE_GPU();
-  const bool fp8 = std::get<0>(GetParam());
-  const int dql = std::get<1>(GetParam());
-  constexpr int B = 3, Hq = 32, Hkv = 2, K = 8, max_blocks = 12, pages = 40;
-  const int64_t T = B * dql;
-  Rng rng(91);
-  const Device gd = Device::cuda();
-  const DType cdt = fp8 ? DType::kUInt8 : DType::kBFloat16;
-  Tensor cache = Tensor::empty({pages, Hkv, 128, 256}, cdt, gd);
-  Tensor q = Tensor::empty({T, Hq, 128}, DType::kBFloat16, gd);
-  Tensor topk = Tensor::empty({T, Hkv, K}, DType::kInt32, gd);  // token-major, read transposed
-  Tensor lens = Tensor::empty({B}, DType::kInt32, gd), table = Tensor::empty({B, max_blocks}, DType::kInt32, gd);
-  Tensor out = Tensor::empty({T, Hq, 128}, DType::kBFloat16, gd), lse = Tensor::empty({T, Hq}, DType::kFloat32, gd);
-  Tensor ks = detail::scalar_f32(0.8f).to(gd), vs = detail::scalar_f32(1.25f).to(gd);
-  TensorView topk_hm = topk.view();  // [Hkv, T, K] view of the [T, Hkv, K] buffer
-  topk_hm.shape[0] = Hkv, topk_hm.shape[1] = T;
-  topk_hm.stride[0] = K, topk_hm.stride[1] = int64_t(Hkv) * K;
-  auto ints = [](const std::vector<int32_t>& v, std::vector<int64_t> shape) {
+  MsaDecodeCase(bool fp8_, int dql_) : fp8(fp8_), dql(dql_), T(int64_t(B) * dql_) {
+    cache = Tensor::empty({pages, Hkv, 128, 256}, fp8 ? DType::kUInt8 : DType::kBFloat16, gd);
+    q = Tensor::empty({T, Hq, 128}, DType::kBFloat16, gd);
+    topk = Tensor::empty({T, Hkv, K}, DType::kInt32, gd);  // token-major, read transposed
+    lens = Tensor::empty({B}, DType::kInt32, gd);
+    table = Tensor::empty({B, max_blocks}, DType::kInt32, gd);
+    out = Tensor::empty({T, Hq, 128}, DType::kBFloat16, gd);
+    lse = Tensor::empty({T, Hq}, DType::kFloat32, gd);
+    ks = detail::scalar_f32(0.8f).to(gd);
+    vs = detail::scalar_f32(1.25f).to(gd);
+    topk_hm = topk.view();
+    topk_hm.shape[0] = Hkv, topk_hm.shape[1] = T;
+    topk_hm.stride[0] = K, topk_hm.stride[1] = int64_t(Hkv) * K;
+    plan = std::make_unique<MsaDecodePlan>(MsaDecodeShape{B, dql, Hq, Hkv, K, max_blocks, dtype()}, gd);
+  }
+  KvCacheDtype dtype() const { return fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto; }
+  static Tensor ints(const std::vector<int32_t>& v, std::vector<int64_t> shape) {
     Tensor h = Tensor::empty(shape, DType::kInt32);
     std::copy(v.begin(), v.end(), h.ptr<int32_t>());
     return h;
-  };
-  auto refill = [&]() {
+  }
+  // New random inputs (a padded request, random ids with some out of range or repeated); out and
+  // lse poisoned.
+  void refill() {
     Tensor c = detail::random_half({pages, Hkv, 128, 256}, DType::kBFloat16, rng, -1, 1);
     if (fp8) {
       Tensor e = Tensor::empty({pages, Hkv, 128, 256}, DType::kUInt8);
@@ -482,42 +491,111 @@ TEST_P(GpuMsaGraph, ReplayAfterInPlaceChangesMatchesEagerBitwise) {
       const int64_t pos = int64_t(l[size_t(b)]) - dql + t % dql;
       const int nb = pos >= 0 ? int(pos / 128) + 1 : 0;
       for (int h = 0; h < Hkv; ++h)
-        for (int i = 0; i < K; ++i)  // random ids, some out of range or repeated
+        for (int i = 0; i < K; ++i)
           tk[size_t((t * Hkv + h) * K + i)] = nb > 0 ? int32_t(rng.integer(-1, nb)) : -1;
     }
     upload(lens, ints(l, {B}));
     upload(table, ints(tab, {B, max_blocks}));
     upload(topk, ints(tk, {T, Hkv, K}));
+    poison();
+  }
+  void poison() {
     out.fill_bytes(0xFF);
     lse.fill_bytes(0xFF);
-  };
-  MsaDecodePlan plan({B, dql, Hq, Hkv, K, max_blocks, fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto}, gd);
-  auto run = [&](cudaStream_t st) {
-    plan.run({.q = q, .cache = {cache, fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto, ks, vs},
-              .topk = topk_hm, .seq_lens = lens, .block_table = table, .softmax_scale = 0.0883883f,
-              .out = out, .lse = lse}, st);
-  };
-  refill();
-  CapturedGraph graph(run);
-  for (int round = 0; round < 3; ++round) {
-    refill();
-    settle();
-    run(graph.stream);
-    CUDA_OK(cudaStreamSynchronize(graph.stream));
-    const Tensor eager_out = out.to(Device::cpu()), eager_lse = lse.to(Device::cpu());
-    out.fill_bytes(0xFF);
-    lse.fill_bytes(0xFF);
-    settle();
-    CUDA_OK(cudaGraphLaunch(graph.exec, graph.stream));
-    CUDA_OK(cudaStreamSynchronize(graph.stream));
-    EXPECT_TRUE(same_bytes(eager_out, out)) << "out, round " << round;
-    EXPECT_TRUE(same_bytes(eager_lse, lse)) << "lse, round " << round;
-    // Every row written (no NaN poison left): padded rows are 0 with lse -inf.
+  }
+  void run(cudaStream_t st, bool pdl = false) {
+    plan->run({.q = q, .cache = {cache, dtype(), ks, vs}, .topk = topk_hm, .seq_lens = lens, .block_table = table,
+               .softmax_scale = 0.0883883f, .out = out, .lse = lse, .enable_pdl = pdl},
+              st);
+  }
+  // Every row written (no NaN poison left): padded rows are 0 with lse -inf.
+  int64_t nan_outputs() const {
     const Tensor o = out.to(Device::cpu());
     int64_t nan = 0;
     for (int64_t i = 0; i < o.numel(); ++i) nan += std::isnan(bf16_to_float(o.ptr<uint16_t>()[i])) ? 1 : 0;
-    EXPECT_EQ(nan, 0) << "round " << round;
+    return nan;
   }
+};
+
+class GpuMsaGraph : public ::testing::TestWithParam<std::tuple<bool, int>> {};
+
+TEST_P(GpuMsaGraph, ReplayAfterInPlaceChangesMatchesEagerBitwise) {
+  REQUIRE_GPU();
+  MsaDecodeCase c(std::get<0>(GetParam()), std::get<1>(GetParam()));
+  c.refill();
+  CapturedGraph graph([&](cudaStream_t st) { c.run(st); });
+  for (int round = 0; round < 3; ++round) {
+    c.refill();
+    settle();
+    c.run(graph.stream);
+    CUDA_OK(cudaStreamSynchronize(graph.stream));
+    const Tensor eager_out = c.out.to(Device::cpu()), eager_lse = c.lse.to(Device::cpu());
+    c.poison();
+    settle();
+    CUDA_OK(cudaGraphLaunch(graph.exec, graph.stream));
+    CUDA_OK(cudaStreamSynchronize(graph.stream));
+    EXPECT_TRUE(same_bytes(eager_out, c.out)) << "out, round " << round;
+    EXPECT_TRUE(same_bytes(eager_lse, c.lse)) << "lse, round " << round;
+    EXPECT_EQ(c.nan_outputs(), 0) << "round " << round;
+  }
+}
+
+// The producer a PDL-launched call depends on: it lets its dependents launch at once, then spins
+// (about 40 us) before writing their inputs, so a dependent that read before its
+// griddepcontrol.wait would see the stale ones.
+__global__ void late_copy_kernel(uint4* dst, const uint4* src, int64_t n) {
+  kernels::launch_dependents();
+  if (threadIdx.x == 0) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < 80000) {
+    }
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}
+
+// enable_pdl: eager and captured in a graph, right after a kernel that writes the call's queries
+// and top-k lists late, the outputs equal those of a plain launch on the final inputs, bit for bit.
+TEST_P(GpuMsaGraph, PdlLaunchWaitsForThePrecedingKernel) {
+  REQUIRE_GPU();
+  MsaDecodeCase c(std::get<0>(GetParam()), std::get<1>(GetParam()));
+  Tensor q_next = Tensor::empty({c.T, c.Hq, 128}, DType::kBFloat16, c.gd);
+  Tensor topk_next = Tensor::empty({c.T, c.Hkv, c.K}, DType::kInt32, c.gd);
+  ASSERT_EQ(q_next.nbytes() % 16, 0);
+  ASSERT_EQ(topk_next.nbytes() % 16, 0);
+  auto chain = [&](cudaStream_t st) {  // the producer, then the call launched with PDL
+    late_copy_kernel<<<1, 256, 0, st>>>(static_cast<uint4*>(c.q.data()), static_cast<const uint4*>(q_next.data()),
+                                        q_next.nbytes() / 16);
+    late_copy_kernel<<<1, 256, 0, st>>>(static_cast<uint4*>(c.topk.data()),
+                                        static_cast<const uint4*>(topk_next.data()), topk_next.nbytes() / 16);
+    c.run(st, true);
+  };
+  cudaStream_t st = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  c.refill();
+  CapturedGraph graph(chain);
+  for (int round = 0; round < 3; ++round) {
+    c.refill();
+    settle();
+    c.run(st);  // the reference: a plain launch on the final inputs
+    CUDA_OK(cudaStreamSynchronize(st));
+    const Tensor want_out = c.out.to(Device::cpu()), want_lse = c.lse.to(Device::cpu());
+    EXPECT_EQ(c.nan_outputs(), 0) << "round " << round;
+    for (int mode = 0; mode < 2; ++mode) {  // eager, graph
+      CUDA_OK(cudaMemcpy(q_next.data(), c.q.data(), size_t(q_next.nbytes()), cudaMemcpyDeviceToDevice));
+      CUDA_OK(cudaMemcpy(topk_next.data(), c.topk.data(), size_t(topk_next.nbytes()), cudaMemcpyDeviceToDevice));
+      c.q.fill_bytes(0);     // stale queries: zeros
+      c.topk.fill_bytes(0);  // stale ids: page 0 everywhere
+      c.poison();
+      settle();
+      if (mode == 0) chain(st);
+      else CUDA_OK(cudaGraphLaunch(graph.exec, st));
+      CUDA_OK(cudaStreamSynchronize(st));
+      EXPECT_TRUE(same_bytes(want_out, c.out)) << (mode ? "graph" : "eager") << " out, round " << round;
+      EXPECT_TRUE(same_bytes(want_lse, c.lse)) << (mode ? "graph" : "eager") << " lse, round " << round;
+    }
+  }
+  CUDA_OK(cudaStreamDestroy(st));
 }
 
 INSTANTIATE_TEST_SUITE_P(CacheDtypeDql, GpuMsaGraph, ::testing::Combine(::testing::Values(false, true), ::testing::Values(5, 1)),

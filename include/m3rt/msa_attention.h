@@ -70,6 +70,11 @@ struct MsaDecodeArgs {
   MsaMask mask{};
   TensorView out;           // [B * dql, Hq, 128] bf16
   TensorView lse;           // optional [B * dql, Hq] fp32
+  // Hopper: launch as a programmatic dependent of the kernel before it on the stream (PDL), so
+  // that its CTAs are scheduled and start while that kernel finishes; they read nothing until it
+  // has completed (griddepcontrol.wait first), and let the next kernel do the same. Ignored on
+  // other GPUs. Graph capture keeps it (programmatic edges).
+  bool enable_pdl = false;
 };
 
 // What a decode plan is built for: calls must match it (checked), so graphs captured with a plan

@@ -68,6 +68,19 @@ inline bool hopper_paths_run() {
                "l"(src), "r"(bytes), "r"(smem_u32(bar))
                : "memory");
 }
+// Programmatic dependent launch: wait until the grids this one depends on have completed and
+// their writes are visible (a no-op for a grid launched without the attribute), and let the next
+// grid on the stream, if launched with it, be scheduled. No-ops before sm_90.
+[[maybe_unused]] __device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+[[maybe_unused]] __device__ __forceinline__ void launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 // Generic-proxy shared-memory writes (cp.async, st.shared) ordered before async-proxy reads (wgmma).
 [[maybe_unused]] __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");

@@ -191,13 +191,26 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
       const int sets = sets_beyond_l2(est, 8);
       std::vector<Batch> batch = make_sets(rng, fp8, c.B, c.ctx, c.dql, 0, sets);
       MsaDecodePlan plan({c.B, c.dql, kHq, kHkv, kTopk, nb, kd}, Device::cuda());
-      auto call_with = [&](MsaDecodePlan& plan_to_run) {
-        return [&, pl = &plan_to_run](int s, CUstream_st* st) {
+      auto call_with = [&](MsaDecodePlan& plan_to_run, bool pdl = false) {
+        return [&, pl = &plan_to_run, pdl](int s, CUstream_st* st) {
           const Batch& bt = batch[size_t(s)];
           pl->run({.q = bt.q, .cache = {bt.cache, kd, ksd, vsd}, .topk = bt.topk_view, .seq_lens = bt.lens,
-                   .block_table = bt.table, .softmax_scale = scale, .out = bt.out}, st);
+                   .block_table = bt.table, .softmax_scale = scale, .out = bt.out, .enable_pdl = pdl}, st);
         };
       };
+      // dql 1 at batch <= 32: the same calls launched with PDL (each call's launch and CTA start-up
+      // overlap the previous call's tail, as they would the indexer's in a decode step).
+      auto pdl_row = [&](const BenchRow& base) {
+        BenchRow q = base;
+        q.variant += " pdl";
+        q.us = time_us(call_with(plan, true), sets, true, env);
+        q.gbps = q.bytes / (q.us * 1e3);
+        q.pct_ceiling = 100.0 * q.gbps / env.copy_gbps;
+        q.note += "; back-to-back calls with enable_pdl";
+        q.ratios = {{"vs without pdl", base.us / q.us}};
+        return q;
+      };
+      const bool with_pdl = c.dql == 1 && c.B <= 32;
       const auto call = call_with(plan);
       BenchRow r;
       r.op = "msa_attention";
@@ -210,6 +223,7 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
       r.note = std::to_string(plan_splits(c, fp8)) + " splits";
       if (decode_only) {
         rows.push_back(r);
+        if (with_pdl) rows.push_back(pdl_row(r));
         continue;
       }
       if (c.B == 1 && c.ctx == 32768 && !env.quick) {  // batch 1: the split merge in global memory, same run
@@ -235,6 +249,7 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
         rows.back().ratios.push_back({"vs baseline kernel", time_us(call, sets, true, env) / r.us});
         msa_force_baseline(false);
       }
+      if (with_pdl) rows.push_back(pdl_row(r));
     }
   }
   if (decode_only) return rows;

@@ -230,6 +230,7 @@ void MsaDecodePlan::run(const MsaDecodeArgs& a, stream_t stream) {
              kv_cache_dtype_name(s.kv_cache_dtype));
   if (p.num_tokens == 0) return;
   p.decode_query_len = s.decode_query_len;
+  p.pdl = a.enable_pdl;
   if (scratch_->splits > 1) {
     p.num_splits = scratch_->splits;
     p.part_o = scratch_->part_o.ptr<float>();

@@ -336,7 +336,12 @@ __device__ __forceinline__ void tile_keys16(TileState& st, const char* q_s, cons
                                             float2 row_scale) {
   constexpr int kRow = kFp8 ? 256 : 512;
   const int c = threadIdx.x % 4;
-  float s[2][4] = {};
+#ifndef M3RT_EXP_QK_CHAINS
+#define M3RT_EXP_QK_CHAINS 2
+#endif
+  constexpr int kChains = M3RT_EXP_QK_CHAINS;
+  float sp[kChains][2][4] = {};  // independent MMA chains over the 8 k-steps, summed after
+  float (&s)[2][4] = sp[0];
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks) {
     const int j = ks & 3, hi128 = (ks >> 2) * 128;
@@ -354,9 +359,15 @@ __device__ __forceinline__ void tile_keys16(TileState& st, const char* q_s, cons
         b0 = w.x;
         b1 = w.y;
       }
-      mma_16816<kFp8>(s[nt], qa.x, qb.x, qa.y, qb.y, b0, b1);
+      mma_16816<kFp8>(sp[ks * kChains / 8][nt], qa.x, qb.x, qa.y, qb.y, b0, b1);
     }
   }
+#pragma unroll
+  for (int k = 1; k < kChains; ++k)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] += sp[k][nt][e];
   // Mask and online softmax (base 2). A masked key is -inf; a NaN score never becomes the max
   // (fmaxf) and turns its row NaN through its weight.
   // bf16: the scale is > 0 (validated), so the max is taken before scaling and the scale folds
@@ -860,6 +871,8 @@ __device__ __forceinline__ void store_row(const MsaParams& p, int64_t t, int h, 
 template <bool kFp8, int kWarps, bool kCluster, bool kWg = false>
 __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
     msa_sparse_kernel(const __grid_constant__ MsaParams p, int stages) {
+  kernels::grid_dependency_wait();  // launched with PDL (p.pdl): nothing is read before this
+  kernels::launch_dependents();
   constexpr int kThreads = kWarps * 32;
   static_assert(!kWg || kWarps == 8, "the wgmma loop runs on two warpgroups");
   extern __shared__ __align__(128) char smem_raw[];
@@ -1315,6 +1328,8 @@ __host__ __device__ inline D1Layout d1_layout(bool fp8, int stages) {
 template <bool kFp8, bool kCluster>
 __global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
     msa_decode1_kernel(const __grid_constant__ MsaParams p, int stages) {
+  kernels::grid_dependency_wait();  // launched with PDL (p.pdl): nothing is read before this
+  kernels::launch_dependents();
   extern __shared__ __align__(128) char smem[];
   const D1Layout L = d1_layout(kFp8, stages);
   char* area = smem;
@@ -1731,19 +1746,31 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   const KernelConfig cfg =
       d1 ? decode1_config(p.fp8) : kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, groups * p.num_kv_heads * splits);
   const dim3 grid(unsigned(groups), unsigned(p.num_kv_heads), unsigned(splits));
-  if (splits > 1 && cluster_merge_fits(cfg, grid, splits)) {
-    // Split decode on Hopper: each group's splits form one cluster and merge through DSMEM.
+  // Split decode on Hopper: each group's splits form one cluster and merge through DSMEM. PDL only
+  // where the kernels carry their griddepcontrol.wait (sm_90 code on a Hopper GPU).
+  const bool cluster = splits > 1 && cluster_merge_fits(cfg, grid, splits);
+  const bool pdl = p.pdl && kernels::hopper_paths_run();
+  if (cluster || pdl) {
     cudaLaunchConfig_t lc{};
     lc.gridDim = grid;
     lc.blockDim = dim3(unsigned(cfg.threads));
     lc.dynamicSmemBytes = size_t(cfg.smem);
     lc.stream = stream;
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = 1, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = unsigned(splits);
-    lc.attrs = &attr;
-    lc.numAttrs = 1;
-    M3RT_CUDA_CHECK(cudaLaunchKernelEx(&lc, cfg.cluster_fn, p, cfg.stages));
+    cudaLaunchAttribute attrs[2]{};
+    unsigned n = 0;
+    if (cluster) {
+      attrs[n].id = cudaLaunchAttributeClusterDimension;
+      attrs[n].val.clusterDim.x = 1, attrs[n].val.clusterDim.y = 1, attrs[n].val.clusterDim.z = unsigned(splits);
+      ++n;
+    }
+    if (pdl) {
+      attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attrs[n].val.programmaticStreamSerializationAllowed = 1;
+      ++n;
+    }
+    lc.attrs = attrs;
+    lc.numAttrs = n;
+    M3RT_CUDA_CHECK(cudaLaunchKernelEx(&lc, cluster ? cfg.cluster_fn : cfg.fn, p, cfg.stages));
   } else {
     cfg.fn<<<grid, cfg.threads, cfg.smem, stream>>>(p, cfg.stages);
   }

@@ -52,6 +52,7 @@ struct MsaParams {
   float* part_ml;               // [groups * Hkv * num_splits, msa_group_rows, 2]: running max (log2), sum
   int* counters;                // [groups * Hkv], zero between calls (unused by cluster launches,
                                 // whose splits merge through DSMEM)
+  bool pdl;                     // launch as a programmatic dependent (MsaDecodeArgs::enable_pdl)
 };
 
 // The tensor-core kernel's geometry (shared by the plan, which sizes the split scratch, and the

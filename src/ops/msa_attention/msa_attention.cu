@@ -1116,7 +1116,9 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
   }
   cp_async_wait<0>();
   __syncthreads();
+#ifndef M3RT_EXP_NO_TRIGGER
   kernels::launch_dependents();  // the next PDL grid may launch once every CTA is here (or done)
+#endif
 
   // Merge the key parts: per row, max and weight of each part, then sums in part order.
   float* fin = reinterpret_cast<float*>(area);
@@ -1464,7 +1466,9 @@ __global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
   __syncthreads();
   // The next PDL grid may launch once every CTA is here (or done): not earlier, or its waiting CTAs
   // take the free slots of a one-wave grid unevenly (e4m3 batch 32 with the trigger first: 0.82x).
+#ifndef M3RT_EXP_NO_TRIGGER
   kernels::launch_dependents();
+#endif
 
   // Merge the key parts (as the general kernel): per row, each part's max and weight, then the
   // parts' weighted rows in their own planes, summed in part order.

@@ -1116,9 +1116,6 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
   }
   cp_async_wait<0>();
   __syncthreads();
-#ifndef M3RT_EXP_NO_TRIGGER
-  kernels::launch_dependents();  // the next PDL grid may launch once every CTA is here (or done)
-#endif
 
   // Merge the key parts: per row, max and weight of each part, then sums in part order.
   float* fin = reinterpret_cast<float*>(area);
@@ -1464,11 +1461,8 @@ __global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
   }
   cp_async_wait<0>();
   __syncthreads();
-  // The next PDL grid may launch once every CTA is here (or done): not earlier, or its waiting CTAs
-  // take the free slots of a one-wave grid unevenly (e4m3 batch 32 with the trigger first: 0.82x).
-#ifndef M3RT_EXP_NO_TRIGGER
-  kernels::launch_dependents();
-#endif
+  // p.pdl_trigger: the next PDL grid may launch once every CTA is here (or done).
+  if (p.pdl_trigger) kernels::launch_dependents();
 
   // Merge the key parts (as the general kernel): per row, each part's max and weight, then the
   // parts' weighted rows in their own planes, summed in part order.
@@ -1745,6 +1739,18 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   // where the kernels carry their griddepcontrol.wait (sm_90 code on a Hopper GPU).
   const bool cluster = splits > 1 && cluster_merge_fits(cfg, grid, splits);
   const bool pdl = p.pdl && kernels::hopper_paths_run();
+  MsaParams call = p;
+  // msa_decode1_kernel lets the next PDL grid launch after its chunk loop when that grid's waiting
+  // CTAs cannot crowd SMs unevenly: when they all fit in the free slots beside this grid, or when
+  // there are (almost) none. Between those (H200, e4m3 batch 32: 256 CTAs in 396 slots) they took
+  // the free slots first and the call ran 0.86x; batch 1 (64 CTAs) and bf16 batch 32 (256 in 264)
+  // gained 1.04x / 1.02x, and without the trigger every row ran as without PDL (H200, c8ea3ab).
+  // The general kernel never triggers (its grid ends at its exit, as without PDL).
+  if (pdl && d1) {
+    const int64_t ctas = int64_t(grid.x) * grid.y * grid.z;
+    const int64_t slots = int64_t(detail::multiprocessor_count()) * d1_ctas_per_sm(p.fp8);
+    call.pdl_trigger = 2 * ctas <= slots || 20 * ctas >= 19 * slots;
+  }
   if (cluster || pdl) {
     cudaLaunchConfig_t lc{};
     lc.gridDim = grid;
@@ -1765,9 +1771,9 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
     }
     lc.attrs = attrs;
     lc.numAttrs = n;
-    M3RT_CUDA_CHECK(cudaLaunchKernelEx(&lc, cluster ? cfg.cluster_fn : cfg.fn, p, cfg.stages));
+    M3RT_CUDA_CHECK(cudaLaunchKernelEx(&lc, cluster ? cfg.cluster_fn : cfg.fn, call, cfg.stages));
   } else {
-    cfg.fn<<<grid, cfg.threads, cfg.smem, stream>>>(p, cfg.stages);
+    cfg.fn<<<grid, cfg.threads, cfg.smem, stream>>>(call, cfg.stages);
   }
   M3RT_LAUNCH_CHECK(stream, d1 ? "msa_decode1_kernel" : "msa_sparse_kernel");
 }

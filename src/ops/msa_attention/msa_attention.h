@@ -53,6 +53,7 @@ struct MsaParams {
   int* counters;                // [groups * Hkv], zero between calls (unused by cluster launches,
                                 // whose splits merge through DSMEM)
   bool pdl;                     // launch as a programmatic dependent (MsaDecodeArgs::enable_pdl)
+  bool pdl_trigger;             // set by the launcher: let the next PDL grid launch after the loop
 };
 
 // The tensor-core kernel's geometry (shared by the plan, which sizes the split scratch, and the

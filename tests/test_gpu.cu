@@ -18,8 +18,8 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
-#include <random>
 #include <memory>
+#include <random>
 #include <string>
 #include <tuple>
 #include <vector>

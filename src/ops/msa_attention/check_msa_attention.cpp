@@ -42,6 +42,7 @@ struct MsaVariant {
   std::vector<int> seq_lens;
   std::vector<int> q_lens;    // prefill: query tokens of each request
   MsaMask mask{};
+  int table_width = 0;        // > 0: the block table widened with -1 columns to this many blocks
 };
 
 // Host inputs of one call; topk is the [Hkv, T, topk] view of the token-major buffer.
@@ -102,6 +103,14 @@ MsaInputs make_inputs(Rng& rng, const MsaVariant& v) {
   in.T = pb.T;
   in.max_query_len = pb.max_query_len;
   in.table = pb.block_table;
+  if (v.table_width > in.table.view().shape[1]) {
+    const int64_t w = in.table.view().shape[1];
+    Tensor wide = Tensor::empty({B, v.table_width}, DType::kInt32);
+    for (int b = 0; b < B; ++b)
+      for (int j = 0; j < v.table_width; ++j)
+        wide.ptr<int32_t>()[int64_t(b) * v.table_width + j] = j < w ? in.table.ptr<int32_t>()[b * w + j] : -1;
+    in.table = wide;
+  }
   // Top-k lists, and the (page, KV head) slices some row uses.
   in.topk_buf = Tensor::empty({in.T, Hkv, K}, DType::kInt32);
   std::vector<char> slice_used(size_t(pages) * size_t(Hkv), 0);
@@ -227,7 +236,8 @@ void check_msa_variant(CheckContext& c, const MsaVariant& v) {
               std::to_string(v.hkv) + " k" + std::to_string(v.topk) +
               (v.dql ? " dql" + std::to_string(v.dql) : "") + " B" + std::to_string(v.seq_lens.size()) +
               " T" + std::to_string(in.T) + (v.mask.causal ? "" : " noncausal") +
-              (v.mask.window_left ? " w" + std::to_string(v.mask.window_left) : "");
+              (v.mask.window_left ? " w" + std::to_string(v.mask.window_left) : "") +
+              (v.table_width ? " table" + std::to_string(v.table_width) : "");
   const auto [out, lse] = run_msa(v, in, c.device);
   if (c.device.is_cuda()) {
     const auto [ref_out, ref_lse] = run_msa(v, in, Device::cpu());
@@ -275,6 +285,10 @@ void check_msa_decode(CheckContext& c) {
   check_msa_variant(c, {false, 32, 4, 64, 1, {3000, 1, 9000, 200}, {}, {.causal = false, .window_left = 300}});
   check_msa_variant(c, {true, 64, 4, 16, 1, spread_lens(40, 800), {}});
   check_msa_variant(c, {false, 32, 8, 16, 1, spread_lens(50, 1500), {}});
+  // Wide block tables: 5000 blocks a row (dql 1 on the GPU copies the row to shared memory in ten
+  // rounds) and 30000 (more than the stages hold: the pages are read from the table directly).
+  check_msa_variant(c, {false, 16, 1, 16, 1, {700, 2000, 0}, {}, {}, 5000});
+  check_msa_variant(c, {true, 16, 1, 16, 1, {900, 129}, {}, {}, 30000});
   // Verify at M3's group 16: 128-row groups (dql 8) and 80-row groups (dql 5, a partly filled
   // second warpgroup on Hopper), with pads and lengths below dql.
   check_msa_variant(c, {false, 32, 2, 16, 8, {1700, 60, 0, 2600}, {}});

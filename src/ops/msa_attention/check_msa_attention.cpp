@@ -285,8 +285,7 @@ void check_msa_decode(CheckContext& c) {
   check_msa_variant(c, {false, 32, 4, 64, 1, {3000, 1, 9000, 200}, {}, {.causal = false, .window_left = 300}});
   check_msa_variant(c, {true, 64, 4, 16, 1, spread_lens(40, 800), {}});
   check_msa_variant(c, {false, 32, 8, 16, 1, spread_lens(50, 1500), {}});
-  // Wide block tables: 5000 blocks a row (dql 1 on the GPU copies the row to shared memory in ten
-  // rounds) and 30000 (more than the stages hold: the pages are read from the table directly).
+  // Wide block tables (5000 and 30000 blocks a row, most of them -1).
   check_msa_variant(c, {false, 16, 1, 16, 1, {700, 2000, 0}, {}, {}, 5000});
   check_msa_variant(c, {true, 16, 1, 16, 1, {900, 129}, {}, {}, 30000});
   // Verify at M3's group 16: 128-row groups (dql 8) and 80-row groups (dql 5, a partly filled

@@ -1341,34 +1341,16 @@ __global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
     cp_async_16z(q_s + row * 256 + ((pc ^ swz_bf16(row)) * 16), src, row < G ? 16 : 0);
   }
   cp_async_commit();
-  // The token's ids (warp 0: entries lane, lane + 32), its block-table row and its length load at
-  // once: the row goes to the (still empty) stages when it fits there (16K blocks a row with the
-  // H200's e4m3 stages, 24K bf16), so the pages are looked up in shared memory instead of after the ids have arrived;
-  // otherwise warp 0 reads the pages of its ids inside the row (page ids are checked below).
+  // Warp 0: the token's ids (entries lane, lane + 32) and the pages of those inside the table row,
+  // loaded before the length is known so that the three loads overlap (page ids are checked below).
   const int K = p.topk_k;
-  const int32_t* table = p.block_table + t * p.block_table_stride;
-  int32_t* table_s = reinterpret_cast<int32_t*>(area);
-  const bool table_in_smem = int64_t(p.max_blocks) * 4 <= int64_t(stages) * L.stage_bytes;
   int raw[2] = {-1, -1}, raw_page[2] = {-1, -1};
   if (warp == 0) {
     const int32_t* ids = p.topk + int64_t(kv_head) * p.topk_stride_h + t * p.topk_stride_t;
+    const int32_t* table = p.block_table + t * p.block_table_stride;
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       if (lane + 32 * h < K) raw[h] = ids[int64_t(lane + 32 * h) * p.topk_stride_k];
-  }
-  if (table_in_smem) {
-    for (int i0 = 0; i0 < p.max_blocks; i0 += 4 * kD1Threads) {  // 4 loads a thread in flight
-      int v[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int i = i0 + u * kD1Threads + tid;
-        v[u] = i < p.max_blocks ? table[i] : 0;
-      }
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (i0 + u * kD1Threads + tid < p.max_blocks) table_s[i0 + u * kD1Threads + tid] = v[u];
-    }
-  } else if (warp == 0) {
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       if (unsigned(raw[h]) < unsigned(p.max_blocks)) raw_page[h] = table[raw[h]];
@@ -1378,7 +1360,6 @@ __global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
     cp_async_wait<0>();
     return;
   }
-  if (table_in_smem) __syncthreads();  // the row, for warp 0
   // The token at position seq_len - 1 sees keys [lo, hi) (causal or not: hi = seq_len).
   const int hi = seq_len, lo = p.window_left > 0 ? max(0, seq_len - p.window_left) : 0;
   if (warp == 0) {
@@ -1404,8 +1385,7 @@ __global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
     int page[2], n[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      // A visible id is < ceil(seq_len / 128) <= max_blocks.
-      page[h] = !first[h] ? -1 : table_in_smem ? table_s[id[h]] : raw_page[h];
+      page[h] = first[h] ? raw_page[h] : -1;  // a visible id is < ceil(seq_len / 128) <= max_blocks
       const bool ok = first[h] && page[h] >= 0 && page[h] < p.num_cache_blocks;
       const int k0 = ok ? id[h] * kPage : 0;
       n[h] = ok ? int(k0 < hi && k0 + kChunkKeys > lo) + int(k0 + kChunkKeys < hi && k0 + kPage > lo) : 0;

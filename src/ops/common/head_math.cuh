@@ -247,6 +247,15 @@ __device__ __forceinline__ int64_t cache_row_offset(int64_t slot, int block_size
   const int64_t offset = slot & ((int64_t(1) << block_size_log2) - 1);
   return block * stride_block + head * stride_head + offset * 256;
 }
+// The same row in 32-bit arithmetic, as a byte pointer (the writer's and the QK insert's
+// launchers check that slots and a block's bytes stay below 2^31): `lane` points at this lane's
+// elements of its head at slot 0, block_bytes is the block stride in bytes, offset_mask the block
+// size - 1 (both hoisted out of the token loop by the caller).
+template <int kElemBytes>
+__device__ __forceinline__ char* cache_row_at(char* lane, uint32_t slot, int block_size_log2, uint32_t block_bytes,
+                                              uint32_t offset_mask) {
+  return lane + uint64_t(slot >> block_size_log2) * block_bytes + ((slot & offset_mask) * 256u) * kElemBytes;
+}
 
 // Store 8 bf16 values of one lane into a cache row half (K or V): unchanged (bf16 cache: the bits
 // as they are) or as e4m3(x / scale).

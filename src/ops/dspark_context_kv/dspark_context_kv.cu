@@ -108,8 +108,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     // V copied; K normed in fp32, materialized to bf16, rotated in fp32, rounded; both halves of
     // one contiguous cache row.
     const uint32_t slot32 = write ? uint32_t(slot) : 0u;
-    char* row = cache_lane + uint64_t(slot32 >> p.block_size_log2) * block_bytes +
-                ((slot32 & offset_mask) * 256u) * kElemBytes;
+    char* row = cache_row_at<kElemBytes>(cache_lane, slot32, p.block_size_log2, block_bytes, offset_mask);
     if (write) store_cache_copy<kFp8>(row + 128 * kElemBytes, 0, st.rows[tok][1][j], v_q);
     float x[8];
     unpack_bf16x8(st.rows[tok][0][j], x);

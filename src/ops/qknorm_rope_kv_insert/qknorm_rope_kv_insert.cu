@@ -140,8 +140,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(kInsert))
     const bool write_cache = write && has_slot && uint64_t(slot) < num_slots;
     const uint32_t slot32 = uint32_t(slot);
     uint16_t* head = qkv_lane + uint64_t(uint32_t(t)) * stride_t;
-    char* cache_row = cache_lane + uint64_t(slot32 >> p.block_size_log2) * block_bytes +
-                      ((slot32 & offset_mask) * 256u) * kCacheElemBytes;
+    char* cache_row = cache_row_at<kCacheElemBytes>(cache_lane, slot32, p.block_size_log2, block_bytes, offset_mask);
     if (is_v) {  // warp-uniform
       // V item (insert only): copied to the cache, never changed in qkv.
       if (write_cache) store_cache_copy<kFp8>(cache_row, 0, raw, quant);

@@ -1,6 +1,7 @@
 // The `m3rt check` rows of MSA sparse attention: msa_prefill (varlen, chunked prefill; groups 16,
 // 4, 1, 8) and msa_decode (decode_query_len 1, 2, 5, 7, 8 and 32, groups 16, 8, 4, 2, 1, topk 16
-// and 64, padded requests, non-causal windowed variants, batches of up to 50).
+// and 64, padded requests, non-causal windowed variants, batches of up to 50, block tables of
+// 5000 and 30000 blocks a row).
 // Inputs: q random bf16 in [-1, 1]; cache codes random; shuffled block tables; top-k lists made
 // like the indexer's (unique ascending ids of visible blocks, the local block last, then -1) with
 // -1 holes, repeated ids and ids past the visible blocks inserted in some rows. Every (page, KV head)

@@ -1648,10 +1648,11 @@ KernelConfig decode1_config(bool fp8) {
 
 // Whether a split decode merges through a cluster: a Hopper GPU and sm_90a code in the build
 // (hopper_paths_run), at most 16 splits, and every group's cluster resident at once (clusters of 1
-// CTA per SM pack into GPCs: more than fit would run in a second wave). With every split's piece in flight at once the cluster merge beats the global one
-// at every group size measured (H200, batch 1, 16 rows, 16 splits: 12.3 vs 15.7 us; it lost, 26.6
-// vs 15.8 us, while it read the splits one after another). Cached per (device, kernel, smem,
-// splits, clusters). M3RT_MSA_CLUSTER=0 keeps the global-memory merge (benchmarks).
+// CTA per SM pack into GPCs: more than fit would run in a second wave). With every split's piece
+// in flight at once the cluster merge beats the global one at every group size measured (H200,
+// batch 1, 16 rows, 16 splits: 12.3 vs 15.7 us; it lost, 26.6 vs 15.8 us, while it read the
+// splits one after another). Cached per (device, kernel, smem, splits, clusters).
+// M3RT_MSA_CLUSTER=0 keeps the global-memory merge (benchmarks).
 bool cluster_merge_fits(const KernelConfig& cfg, dim3 grid, int splits) {
   if (switched_off("M3RT_MSA_CLUSTER")) return false;
   if (splits > 16) return false;

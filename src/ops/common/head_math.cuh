@@ -147,15 +147,24 @@ __device__ __forceinline__ float half_warp_sum(float v, unsigned mask) {
   return v;
 }
 
+// The sum of squares of 8 values in order (a lane's part of the canonical head order).
+__device__ __forceinline__ float sum_of_squares8(const float (&x)[8]) {
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) ss = __fadd_rn(ss, __fmul_rn(x[i], x[i]));
+  return ss;
+}
+
+// 1 / sqrt(ss / 128 + eps) for a head's sum of squares, IEEE square root and division.
+__device__ __forceinline__ float head_inv_rms(float ss, float eps) {
+  return __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fmul_rn(ss, 1.f / 128.f), eps)));
+}
+
 // Gemma RMSNorm of one head in place: x * (1 / sqrt(mean(x^2) + eps)) * (1 + w), fp32.
 // `w1` holds this lane's 8 factors 1 + w (gemma_weight_lane), computed once per kernel.
 __device__ __forceinline__ void gemma_norm_head(float (&x)[8], const float (&w1)[8], float eps,
                                                 unsigned mask) {
-  float ss = 0.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) ss = __fadd_rn(ss, __fmul_rn(x[i], x[i]));
-  ss = half_warp_sum(ss, mask);
-  const float inv_rms = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fmul_rn(ss, 1.f / 128.f), eps)));
+  const float inv_rms = head_inv_rms(half_warp_sum(sum_of_squares8(x), mask), eps);
 #pragma unroll
   for (int i = 0; i < 8; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], inv_rms), w1[i]);
 }
@@ -188,6 +197,12 @@ __device__ __forceinline__ RopeLane load_rope_lane(int j, const __nv_bfloat16* r
           __ldg(reinterpret_cast<const uint4*>(row + kHalf + i0))};
 }
 
+// One NeoX rotation in fp32: a first-half dim x with its partner p (x c - p s), or a second-half
+// dim (x c + p s).
+__device__ __forceinline__ float rope_rotate(float x, float p, float c, float s, bool first) {
+  return first ? __fsub_rn(__fmul_rn(x, c), __fmul_rn(p, s)) : __fadd_rn(__fmul_rn(x, c), __fmul_rn(p, s));
+}
+
 // Partial NeoX RoPE of one head in place, in fp32, with the lane's cos/sin (load_rope_lane; ignored
 // on pass-through lanes). Every lane of the half-warp must call this (it shuffles).
 template <int kRotaryDim>
@@ -204,10 +219,84 @@ __device__ __forceinline__ void rope_neox_head(float (&x)[8], int j, const RopeL
   unpack_bf16x8(cs.cos, c);
   unpack_bf16x8(cs.sin, s);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    // first half: x*c - partner*s; second half: x*c + partner*s
-    x[i] = first ? __fsub_rn(__fmul_rn(x[i], c[i]), __fmul_rn(p[i], s[i]))
-                 : __fadd_rn(__fmul_rn(x[i], c[i]), __fmul_rn(p[i], s[i]));
+  for (int i = 0; i < 8; ++i) x[i] = rope_rotate(x[i], p[i], c[i], s[i], first);
+}
+
+// ---- Quad layout: one 128-dim head per 4 lanes (a "quad"). Lane q (0..3) of a quad owns the
+// four 8-dim chunks q, q + 4, q + 8 and q + 12 (chunk c = dims [8c, 8c + 8)): the canonical norm
+// order's first two butterfly levels (chunks xor 8, xor 4) and rotary 64's pairs (chunk c with
+// c + 4) stay inside a lane, so per head a lane spends 2 shuffles on the norm and none on RoPE 64,
+// and the per-head fixed work (square root, division, addresses) is paid by 4 lanes, not 16.
+constexpr int kQuadLanes = 4;
+constexpr int kQuadChunks = 4;  // chunks per lane
+__device__ __forceinline__ int quad_chunk(int q, int k) { return q + kQuadLanes * k; }
+
+// 1 / sqrt(mean(x^2) + eps) of one head in the quad layout, from the lane's 4 chunks of bf16
+// (raw[k] = chunk q + 4k): head_sum_of_squares bit for bit (the same terms in the same order: the
+// butterfly's levels xor 8 and xor 4 are in-lane, xor 2 and xor 1 shuffles), then gemma_norm_head's
+// square root and division. Every lane of the quad returns it; `mask` names the quad's lanes.
+__device__ __forceinline__ float quad_inv_rms(const uint4 (&raw)[kQuadChunks], float eps, unsigned mask) {
+  float part[kQuadChunks];
+#pragma unroll
+  for (int k = 0; k < kQuadChunks; ++k) {
+    float x[8];
+    unpack_bf16x8(raw[k], x);
+    part[k] = sum_of_squares8(x);
+  }
+  // xor 8: chunk q + 4k with q + 4k + 8 (k with k + 2); xor 4: chunk q with q + 4; then the lanes.
+  float v = __fadd_rn(__fadd_rn(part[0], part[2]), __fadd_rn(part[1], part[3]));
+  v = __fadd_rn(v, __shfl_xor_sync(mask, v, 2));
+  v = __fadd_rn(v, __shfl_xor_sync(mask, v, 1));
+  return head_inv_rms(v, eps);
+}
+
+// One chunk normed (gemma_norm_head's products): x = bf16 chunk * inv_rms * (1 + w), `w1` its 8
+// factors as two float4 (e.g. in shared memory).
+__device__ __forceinline__ void norm_chunk(const uint4& raw, float inv_rms, const float4 (&w1)[2], float (&x)[8]) {
+  unpack_bf16x8(raw, x);
+  const float w[8] = {w1[0].x, w1[0].y, w1[0].z, w1[0].w, w1[1].x, w1[1].y, w1[1].z, w1[1].w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], inv_rms), w[i]);
+}
+
+// Partial NeoX RoPE in the quad layout (rope_neox_head's math), R = kRotaryDim, on the lane's
+// chunks q (x0) and q + 4 (x1): R = 64 rotates x0 with x1 (no shuffle); R = 32 / 16 rotate x0 of
+// lanes q < R/8 with lane q ^ (R/16)'s x0 (x1 passes through). `cs` is the lane's cos/sin: the
+// table row's 8 entries at (q mod R/16) * 8 (load_rope_quad). Every lane of the quad must call
+// this (R < 64 shuffles).
+template <int kRotaryDim>
+__device__ __forceinline__ bool quad_lane_rotates(int q) {
+  return q < kRotaryDim / kDimsPerLane;  // R = 64: every lane (its chunks q and q + 4)
+}
+template <int kRotaryDim>
+__device__ __forceinline__ RopeLane load_rope_quad(int q, const __nv_bfloat16* row) {
+  constexpr int kHalf = kRotaryDim / 2, kPartner = kRotaryDim / 16;
+  const int i0 = (q % kPartner) * kDimsPerLane;
+  return {__ldg(reinterpret_cast<const uint4*>(row + i0)), __ldg(reinterpret_cast<const uint4*>(row + kHalf + i0))};
+}
+template <int kRotaryDim>
+__device__ __forceinline__ void rope_neox_quad(float (&x0)[8], float (&x1)[8], int q, const RopeLane& cs,
+                                               unsigned mask) {
+  static_assert(kRotaryDim == 16 || kRotaryDim == 32 || kRotaryDim == 64, "rotary 16/32/64");
+  float c[8], s[8];
+  unpack_bf16x8(cs.cos, c);
+  unpack_bf16x8(cs.sin, s);
+  if constexpr (kRotaryDim == 64) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float a = x0[i], b = x1[i];
+      x0[i] = rope_rotate(a, b, c[i], s[i], true);
+      x1[i] = rope_rotate(b, a, c[i], s[i], false);
+    }
+  } else {
+    constexpr int kPartner = kRotaryDim / 16;  // lanes between chunk q and its partner
+    float p[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) p[i] = __shfl_xor_sync(mask, x0[i], kPartner);
+    if (!quad_lane_rotates<kRotaryDim>(q)) return;
+    const bool first = q < kPartner;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x0[i] = rope_rotate(x0[i], p[i], c[i], s[i], first);
   }
 }
 

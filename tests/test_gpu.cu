@@ -194,11 +194,12 @@ struct CapturedGraph {
 
 struct GraphCase {
   static constexpr int L = 5, nkv = 4, bs = 128, rot = 64, nq = 16;
-  static constexpr int64_t n = 300, T = 40, max_pos = 8192, nb = 12;
+  // The QK insert runs twice: T tokens (its quad kernel) and T2 tokens (its half-warp kernel).
+  static constexpr int64_t n = 300, T = 300, T2 = 40, max_pos = 8192, nb = 12;
   bool fp8;
   Rng rng{42};
   // Device state captured by the graph (fixed addresses).
-  Tensor all_kv, w, positions, slots, table, qkv, qw, kw, qpos, qslots, qk_cache;
+  Tensor all_kv, w, positions, slots, table, qkv, qw, kw, qpos, qslots, qk_cache, qkv2, qpos2, qslots2;
   std::vector<Tensor> caches, ks, vs;
   std::vector<DsparkDraftLayerKv> layers;
 
@@ -211,6 +212,9 @@ struct GraphCase {
     slots = Tensor::empty({n}, DType::kInt64, g);
     table = detail::rope_table(max_pos, rot).to(g);
     qkv = Tensor::empty({T, (nq + 2 * nkv) * 128}, DType::kBFloat16, g);
+    qkv2 = Tensor::empty({T2, (nq + 2 * nkv) * 128}, DType::kBFloat16, g);
+    qpos2 = Tensor::empty({T2}, DType::kInt64, g);
+    qslots2 = Tensor::empty({T2}, DType::kInt64, g);
     qw = detail::random_half({128}, DType::kBFloat16, rng, -1, 1).to(g);
     kw = detail::random_half({128}, DType::kBFloat16, rng, -1, 1).to(g);
     qpos = Tensor::empty({T}, DType::kInt64, g);
@@ -227,13 +231,17 @@ struct GraphCase {
   void refill() {
     upload(all_kv, detail::random_half({n, L, 2, nkv, 128}, DType::kBFloat16, rng, -3, 3));
     upload(qkv, detail::random_half({T, (nq + 2 * nkv) * 128}, DType::kBFloat16, rng, -3, 3));
-    std::vector<int64_t> p(n), qp(T);
+    upload(qkv2, detail::random_half({T2, (nq + 2 * nkv) * 128}, DType::kBFloat16, rng, -3, 3));
+    std::vector<int64_t> p(n), qp(T), qp2(T2);
     for (auto& x : p) x = rng.integer(0, max_pos - 1);
     for (auto& x : qp) x = rng.integer(0, max_pos - 1);
+    for (auto& x : qp2) x = rng.integer(0, max_pos - 1);
     upload(positions, detail::int64_vector(p));
     upload(qpos, detail::int64_vector(qp));
+    upload(qpos2, detail::int64_vector(qp2));
     upload(slots, detail::int64_vector(detail::random_slots(n, nb * bs, 9, rng)));
     upload(qslots, detail::int64_vector(detail::random_slots(T, nb * bs, 4, rng)));
+    upload(qslots2, detail::int64_vector(detail::random_slots(T2, nb * bs, 4, rng)));
     for (auto& c : caches) c.fill_bytes(0xFF);
     qk_cache.fill_bytes(0xFF);
   }
@@ -245,12 +253,18 @@ struct GraphCase {
                            .eps = 1e-6f, .slot_mapping = qslots, .kv_cache = qk_cache,
                            .kv_cache_dtype = fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto,
                            .k_scale = ks[0], .v_scale = vs[0]}, s);
+    qknorm_rope_kv_insert({.qkv = qkv2, .q_norm_weight = qw, .k_norm_weight = kw, .cos_sin_cache = table,
+                           .positions = qpos2, .num_heads = nq, .num_kv_heads = nkv, .rotary_dim = rot,
+                           .eps = 1e-6f, .slot_mapping = qslots2, .kv_cache = qk_cache,
+                           .kv_cache_dtype = fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto,
+                           .k_scale = ks[1], .v_scale = vs[1]}, s);
   }
   std::vector<Tensor> snapshot() {
     std::vector<Tensor> out;
     for (auto& c : caches) out.push_back(c.to(Device::cpu()));
     out.push_back(qk_cache.to(Device::cpu()));
     out.push_back(qkv.to(Device::cpu()));
+    out.push_back(qkv2.to(Device::cpu()));
     return out;
   }
 };
@@ -267,7 +281,7 @@ TEST_P(GpuGraph, ReplayAfterInPlaceChangesMatchesEagerBitwise) {
   for (int round = 0; round < 3; ++round) {
     // Eager on fresh inputs ...
     c.refill();
-    const Tensor qkv_in = c.qkv.to(Device::cpu());
+    const Tensor qkv_in = c.qkv.to(Device::cpu()), qkv2_in = c.qkv2.to(Device::cpu());
     settle();
     c.run(writer, s);
     CUDA_OK(cudaStreamSynchronize(s));
@@ -276,6 +290,7 @@ TEST_P(GpuGraph, ReplayAfterInPlaceChangesMatchesEagerBitwise) {
     for (auto& cache : c.caches) cache.fill_bytes(0xFF);
     c.qk_cache.fill_bytes(0xFF);
     upload(c.qkv, qkv_in);
+    upload(c.qkv2, qkv2_in);
     settle();
     CUDA_OK(cudaGraphLaunch(g.exec, s));
     CUDA_OK(cudaStreamSynchronize(s));

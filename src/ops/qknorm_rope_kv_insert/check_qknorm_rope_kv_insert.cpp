@@ -226,6 +226,12 @@ void check_qknorm_rope_kv_insert(CheckContext& c) {
   check_qk_variant(c, {64, 4, 64, 128, 29, true, false, true, false, 1.f, 4, false});
   check_qk_variant(c, {32, 2, 64, 128, 41, true, true, false, true, 0.5f, 2, true});
   check_qk_variant(c, {8, 1, 16, 16, 37, false, false, false, false, 1.f, 1, false});
+  // From 256 tokens the GPU runs the quad kernel (the rows above, the half-warp one): the draft
+  // shape with q in place, fp8 with both q outputs at rotary 32, and two sparse rows.
+  check_qk_variant(c, {64, 4, 64, 128, 300, true, false, false, false, 1.f});
+  check_qk_variant(c, {16, 4, 32, 16, 263, true, true, true, true, 0.5f});
+  check_qk_variant(c, {32, 2, 64, 128, 257, true, true, false, true, 0.5f, 2, true});
+  check_qk_variant(c, {8, 1, 16, 16, 270, false, false, false, false, 1.f, 1, false});
 }
 
 }  // namespace m3rt::detail

@@ -8,7 +8,7 @@
 //   index_cache  [num_blocks, 128, 128] bf16 or e4m3 (uint8), unscaled
 //
 // Two kernels, chosen by the token count (launcher): on an H200 the quad kernel runs 1.23x the
-// half-warp one at T = 1792 and 1.09x at T = 448 (2.3x fewer instructions), the half-warp kernel
+// half-warp one at T = 1792 and 1.09x at T = 448 (2.0x fewer instructions), the half-warp kernel
 // 1.28x the quad one at T = 7 and 1.12x at T = 56 (a quad lane's dependent chain is 4x longer and
 // small calls are latency-bound); docs/perf.md.
 // - quad kernel (T >= kQuadMinTokens). Grid: (groups of 8 head items, runs of 4 tokens). A warp owns

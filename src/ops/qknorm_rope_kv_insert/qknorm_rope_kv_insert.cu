@@ -74,6 +74,14 @@ __device__ __forceinline__ void store_index_lane(void* base, int64_t elem_offset
 enum ItemKind : int { kItemQ, kItemK, kItemIndexQ, kItemIndexK, kItemV, kItemNone };
 constexpr int kNormKinds = 4;
 
+// A row's head items: the main ones (q, k, v with the insert) and all (plus index_q, index_k).
+struct RowItems {
+  int main, all;
+};
+__host__ __device__ constexpr RowItems row_items(int nq, int nkv, bool insert, int nidx) {
+  return {nq + nkv * (insert ? 2 : 1), nq + nkv * (insert ? 2 : 1) + (nidx > 0 ? nidx + 1 : 0)};
+}
+
 // The kind of item s (head s of the row's items).
 __device__ __forceinline__ int item_kind(int s, int nq, int nkv, int main_items, int items) {
   return s >= items ? kItemNone : s < nq ? kItemQ : s < nq + nkv ? kItemK : s < main_items ? kItemV
@@ -112,7 +120,7 @@ __device__ __forceinline__ void store_item_chunk(const QknormRopeKvInsertParams&
     }
     if (p.q_in_place) store16(o.head + e, out);
   } else if (o.kind == kItemIndexQ) {  // only to index_q_out, never back into qkv; bf16 or e4m3 unscaled
-    const int main_items = p.num_heads + p.num_kv_heads * (p.insert != QkvInsertMode::kNone ? 2 : 1);
+    const int main_items = row_items(p.num_heads, p.num_kv_heads, p.insert != QkvInsertMode::kNone, 0).main;
     const int64_t i = (int64_t(o.t) * p.num_index_heads + (o.s - main_items)) * 128 + o.lane_elem + e;
     store_index_lane(p.index_q_out, i, out, p.index_fp8);
   } else {  // k or index_k: back into qkv, and into its cache
@@ -140,8 +148,8 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
   // 1 + w of each normed kind in fp32, as lane q of a quad reads it: [kind][q][k][8] (dim 8 (q + 4k) + i).
   __shared__ float4 w1_table[kNormKinds][kQuadLanes][kQuadChunks][2];
   const int nq = p.num_heads, nkv = p.num_kv_heads, nidx = p.num_index_heads;
-  const int main_items = nq + nkv * (kHasInsert ? 2 : 1);
-  const int items = main_items + (nidx > 0 ? nidx + 1 : 0);
+  const RowItems counts = row_items(nq, nkv, kHasInsert, nidx);
+  const int main_items = counts.main, items = counts.all;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, q = lane % kQuadLanes;
   const int h = lane / kQuadLanes;                    // the quad's head within the warp's 8
   const int s0 = int(blockIdx.x) * kItemsPerQuadWarp;     // the warp's first item
@@ -281,8 +289,8 @@ __global__ void __launch_bounds__(kHalfThreads, half_blocks_per_sm(kInsert))
   constexpr int kCacheElemBytes = kFp8 ? 1 : 2;
   __shared__ HalfWarpStage stages[kStages][kItemsPerHalfBlock];  // 3 x 8 x 544 bytes
   const int nq = p.num_heads, nkv = p.num_kv_heads, nidx = p.num_index_heads;
-  const int main_items = nq + nkv * (kHasInsert ? 2 : 1);
-  const int items = main_items + (nidx > 0 ? nidx + 1 : 0);
+  const RowItems counts = row_items(nq, nkv, kHasInsert, nidx);
+  const int main_items = counts.main, items = counts.all;
   // blockIdx.x: a run of 8 head items (one per warp), fastest, so the blocks running together
   // cover whole qkv rows; blockIdx.y: the first token pair this block walks (stride gridDim.y).
   // Both halves of a warp work on the same item, so the warp stays converged and shuffles with
@@ -390,8 +398,7 @@ void launch(const QknormRopeKvInsertParams& p, cudaStream_t stream) {
     detail::require_below_2_31(kName, "cache block stride in bytes", p.stride_cache_block * 2);
   }
   if (p.num_index_heads > 0) detail::require_below_2_31(kName, "index cache rows", p.index_num_slots);
-  const int items = p.num_heads + p.num_kv_heads * (kInsert != QkvInsertMode::kNone ? 2 : 1) +
-                    (p.num_index_heads > 0 ? p.num_index_heads + 1 : 0);
+  const int items = row_items(p.num_heads, p.num_kv_heads, kInsert != QkvInsertMode::kNone, p.num_index_heads).all;
   const int64_t T = p.num_tokens;
   if (T >= kQuadMinTokens) {
     // One wave of blocks (each warp walks several tokens), no more than there are runs of 4 tokens:

@@ -130,9 +130,9 @@ __device__ __forceinline__ void store_item_chunk(const QknormRopeKvInsertParams&
   }
 }
 
-// One pipeline stage of one warp: one token's rows of the warp's 8 heads (chunk c of head h at
+// One pipeline stage of one warp of the quad kernel: one token's rows of the warp's 8 heads (chunk c of head h at
 // h * 16 + (c ^ 4 (h & 1)): the quads' 16-byte reads then hit distinct banks) and its indices.
-struct WarpStage {
+struct QuadWarpStage {
   uint4 rows[kItemsPerQuadWarp * kChunksPerHead];
   int64_t idx[4];  // position, slot, index slot
 };
@@ -144,16 +144,16 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
   constexpr bool kHasInsert = kInsert != QkvInsertMode::kNone;
   constexpr bool kFp8 = kInsert == QkvInsertMode::kFp8;
   constexpr int kCacheElemBytes = kFp8 ? 1 : 2;
-  __shared__ WarpStage stages[kStages][kQuadWarps];  // 3 x 4 x 2080 bytes
+  __shared__ QuadWarpStage stages[kStages][kQuadWarps];  // 3 x 4 x 2080 bytes
   // 1 + w of each normed kind in fp32, as lane q of a quad reads it: [kind][q][k][8] (dim 8 (q + 4k) + i).
   __shared__ float4 w1_table[kNormKinds][kQuadLanes][kQuadChunks][2];
   const int nq = p.num_heads, nkv = p.num_kv_heads, nidx = p.num_index_heads;
   const RowItems counts = row_items(nq, nkv, kHasInsert, nidx);
   const int main_items = counts.main, items = counts.all;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, q = lane % kQuadLanes;
-  const int h = lane / kQuadLanes;                    // the quad's head within the warp's 8
-  const int s0 = int(blockIdx.x) * kItemsPerQuadWarp;     // the warp's first item
-  const int s = s0 + h;                               // this quad's item
+  const int h = lane / kQuadLanes;                     // the quad's head within the warp's 8
+  const int s0 = int(blockIdx.x) * kItemsPerQuadWarp;  // the warp's first item
+  const int s = s0 + h;                                // this quad's item
   const int kind = item_kind(s, nq, nkv, main_items, items);
   // The qkv column of item i: items past the main ones are the index heads, at column nq + 2 nkv
   // + (i - main_items) even when there are no v items.
@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
     prefetch((cur + kStages - 1) % kStages);
     cp_async_wait<kStages - 1>();  // this token's copies have landed
     __syncwarp();
-    const WarpStage& st = stages[cur][warp];
+    const QuadWarpStage& st = stages[cur][warp];
     const int64_t pos = st.idx[0];
     const int64_t slot = reads_slot ? st.idx[1] : -1, index_slot = reads_index_slot ? st.idx[2] : -1;
     uint4 raw[kQuadChunks];

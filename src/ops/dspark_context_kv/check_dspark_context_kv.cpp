@@ -111,6 +111,10 @@ void check_dspark_context_kv_write(CheckContext& c) {
   check_writer_variant(c, {true, 5, 4, 128, 64, 513});
   check_writer_variant(c, {false, 1, 1, 16, 16, 7});
   check_writer_variant(c, {true, 2, 2, 64, 32, 65});
+  // Rotary 16 / 32 and 6 (layer, kv head) pairs at n ~ 300.
+  check_writer_variant(c, {false, 1, 1, 16, 16, 300});
+  check_writer_variant(c, {true, 2, 2, 64, 32, 290});
+  check_writer_variant(c, {false, 3, 2, 64, 64, 301});
 }
 
 }  // namespace m3rt::detail

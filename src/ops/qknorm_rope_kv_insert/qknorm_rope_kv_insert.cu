@@ -130,8 +130,9 @@ __device__ __forceinline__ void store_item_chunk(const QknormRopeKvInsertParams&
   }
 }
 
-// One pipeline stage of one warp of the quad kernel: one token's rows of the warp's 8 heads (chunk c of head h at
-// h * 16 + (c ^ 4 (h & 1)): the quads' 16-byte reads then hit distinct banks) and its indices.
+// One pipeline stage of one warp of the quad kernel: one token's rows of the warp's 8 heads (chunk
+// c of head h at h * 16 + (c ^ 4 (h & 1)): the quads' 16-byte reads then hit distinct banks) and
+// its indices.
 struct QuadWarpStage {
   uint4 rows[kItemsPerQuadWarp * kChunksPerHead];
   int64_t idx[4];  // position, slot, index slot
@@ -402,7 +403,7 @@ void launch(const QknormRopeKvInsertParams& p, cudaStream_t stream) {
   const int64_t T = p.num_tokens;
   if (T >= kQuadMinTokens) {
     // One wave of blocks (each warp walks several tokens), no more than there are runs of 4 tokens:
-    // on an H200 at T = 1792 one wave ran 20.8 us, two 23.8 us, a block per run 25.5 us (docs/perf.md).
+    // on an H200 at T = 1792 one wave ran 20.8 us, two waves 23.8 us (docs/perf.md).
     const int x_blocks = (items + kItemsPerQuadWarp - 1) / kItemsPerQuadWarp;
     const int64_t runs = (T + kQuadWarps - 1) / kQuadWarps;
     const int64_t waves = std::max<int64_t>(1, detail::multiprocessor_count() * kQuadBlocksPerSm / x_blocks);

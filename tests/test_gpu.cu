@@ -5,6 +5,7 @@
 //   - CUDA-graph capture of the lightning indexer (decode and prefill): lengths, block tables and
 //     queries changed in place, replays match eager runs bit for bit, and both match the CPU
 //     reference's selection (set comparison) with the NaN-filled pages never selected;
+//   - the indexer's GPU selection on given scores equals the reference's bit for bit (every branch);
 //   - CUDA-graph capture of MSA decode (a plan's run): seq_lens, top-k and block table changed in
 //     place, replays match eager runs bit for bit;
 // The ops' GPU-vs-CPU checks run from test_check.cpp (the `m3rt check` registry).
@@ -380,9 +381,12 @@ struct IndexerGraphCase {
     c.max_blocks_per_seq = max_blocks;
     return c;
   }
+  // The decode twice, the second call a programmatic dependent of the first (PDL on Hopper): it
+  // reuses the scratch the first call's selection reads, so it must wait for that call to finish.
   void run(LightningIndexer& ix, cudaStream_t s) {
-    ix.decode({.index_q = dq, .index_cache = cache, .seq_lens = dseq, .block_table = dtable,
-               .decode_query_len = dql, .topk_out = dout}, s);
+    for (bool pdl : {false, true})
+      ix.decode({.index_q = dq, .index_cache = cache, .seq_lens = dseq, .block_table = dtable,
+                 .decode_query_len = dql, .topk_out = dout, .enable_pdl = pdl}, s);
     ix.prefill({.index_q = pq, .index_cache = cache, .cu_seqlens_q = pcu, .seq_lens = pseq,
                 .block_table = ptable, .max_query_len = int(T), .topk_out = pout}, s);
   }
@@ -442,6 +446,103 @@ INSTANTIATE_TEST_SUITE_P(IndexDtype, GpuIndexerGraph, ::testing::Combine(::testi
                            return std::string(std::get<0>(info.param) ? "fp8" : "bf16") +
                                   (std::get<1>(info.param) ? "_portable" : "");
                          });
+
+// The GPU selection (the warp routine the decode kernel's last CTA and the prefill selection kernel
+// run) against the reference on given scores, bit for bit: no tolerance applies once the scores are
+// fixed. Rows of 1 to 1100 blocks (past 1024: the long-row path; past 256: several chunks) under
+// several selections, with patterns that reach every branch: random, a few distinct values (more
+// than 64 keys pass the filter: the bit-by-bit threshold), NaN and -inf, all equal, all NaN, many
+// copies of the maximum, a ramp (the best at the end), and signed zeros.
+TEST(GpuIndexerSelect, RowsFromGivenScoresMatchTheReferenceExactly) {
+  REQUIRE_GPU();
+  const std::vector<int> nbs = {1, 2, 15, 16, 17, 18, 33, 64, 65, 100, 255, 256, 257, 300, 511, 512, 513,
+                                777, 1023, 1024, 1025, 1100};
+  const std::vector<IndexerSelection> sels = {{16, 0, 1}, {8, 2, 2}, {1, 0, 1}, {2, 1, 1}, {64, 0, 1},
+                                              {64, 3, 2}, {33, 1, 1}, {17, 0, 1}, {32, 0, 1}};
+  constexpr int H = 8;  // one pattern per head
+  const int B = int(nbs.size()), max_blocks = 1100;
+  Rng rng(20261201);
+  std::vector<float> scores(size_t(B) * H * max_blocks, std::nanf(""));
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < H; ++h) {
+      float* row = scores.data() + (size_t(b) * H + h) * max_blocks;
+      const int nb = nbs[size_t(b)];
+      for (int j = 0; j < nb; ++j) {
+        const float u = rng.uniform(-1.f, 1.f);
+        switch (h) {
+          case 0: row[j] = u; break;
+          case 1: row[j] = float(rng.integer(0, 2)); break;
+          case 2: row[j] = u < -0.2f ? std::nanf("") : (u < 0.f ? -INFINITY : u); break;
+          case 3: row[j] = 1.5f; break;
+          case 4: row[j] = std::nanf(""); break;
+          case 5: row[j] = rng.integer(0, 3) == 0 ? 0.75f : u * 0.75f; break;
+          case 6: row[j] = float(j); break;
+          default: row[j] = rng.integer(0, 1) ? (u < 0.f ? -0.f : 0.f) : u * 1e-3f; break;
+        }
+      }
+    }
+  }
+  // One request per row length, one query token at the last position of its row length.
+  std::vector<int32_t> cu(static_cast<size_t>(B) + 1), lens(static_cast<size_t>(B));
+  for (int b = 0; b < B; ++b) {
+    cu[size_t(b) + 1] = b + 1;
+    lens[size_t(b)] = (nbs[size_t(b)] - 1) * kIndexBlockSize + 1 + int(rng.integer(0, kIndexBlockSize - 1));
+  }
+  float* d_scores;
+  int32_t *d_cu, *d_lens, *d_out;
+  const size_t out_n = size_t(B) * H * 64;
+  CUDA_OK(cudaMalloc(&d_scores, scores.size() * 4));
+  CUDA_OK(cudaMalloc(&d_cu, cu.size() * 4));
+  CUDA_OK(cudaMalloc(&d_lens, lens.size() * 4));
+  CUDA_OK(cudaMalloc(&d_out, out_n * 4));
+  CUDA_OK(cudaMemcpy(d_scores, scores.data(), scores.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(d_cu, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(d_lens, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
+  int mismatched_rows = 0;
+  for (const IndexerSelection& sel : sels) {
+    IndexerParams p{};
+    p.block_table_stride = max_blocks;
+    p.max_blocks = max_blocks;
+    p.seq_lens = d_lens;
+    p.cu_seqlens_q = d_cu;
+    p.num_seqs = B;
+    p.num_tokens = B;
+    p.max_query_len = 1;
+    p.num_heads = H;
+    p.topk = sel.topk;
+    p.init_blocks = sel.init_blocks;
+    p.local_blocks = sel.local_blocks;
+    p.topk_out = d_out;
+    p.topk_stride_t = int64_t(H) * sel.topk;
+    p.scores = d_scores;
+    CUDA_OK(cudaMemset(d_out, 0x7F, out_n * 4));
+    indexer_prefill_select_launch(p, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<int32_t> got(size_t(B) * H * sel.topk), want(size_t(sel.topk));
+    CUDA_OK(cudaMemcpy(got.data(), d_out, got.size() * 4, cudaMemcpyDeviceToHost));
+    for (int b = 0; b < B; ++b) {
+      for (int h = 0; h < H; ++h) {
+        const int nb = nbs[size_t(b)];
+        indexer_select_ref(scores.data() + (size_t(b) * H + h) * max_blocks, nb, sel.topk, sel.init_blocks,
+                           sel.local_blocks, want.data());
+        const int32_t* g = got.data() + (size_t(b) * H + h) * sel.topk;
+        if (!std::equal(want.begin(), want.end(), g)) {
+          if (++mismatched_rows <= 5) {
+            std::string w, gg;
+            for (int i = 0; i < sel.topk; ++i) w += " " + std::to_string(want[size_t(i)]), gg += " " + std::to_string(g[i]);
+            ADD_FAILURE() << "topk " << sel.topk << " init " << sel.init_blocks << " local " << sel.local_blocks
+                          << " nb " << nb << " pattern " << h << ": want" << w << "; got" << gg;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(mismatched_rows, 0);
+  cudaFree(d_scores);
+  cudaFree(d_cu);
+  cudaFree(d_lens);
+  cudaFree(d_out);
+}
 
 
 // ------------------------------------------------------------------------------------------------

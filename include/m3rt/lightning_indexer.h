@@ -61,6 +61,11 @@ struct IndexerDecodeArgs {
   TensorView block_table;   // [B, max_blocks] int32
   int decode_query_len = 1; // 1..32
   TensorView topk_out;      // [>= B * dql, Hidx, topk] int32
+  // Hopper: launch as a programmatic dependent of the kernel before it on the stream (PDL): the
+  // CTAs are scheduled and start while that kernel finishes, and read nothing until it has
+  // completed (griddepcontrol.wait first); a one-wave grid then lets the next kernel do the same.
+  // Ignored on other GPUs (and builds without sm_90a code). Graph capture keeps it.
+  bool enable_pdl = false;
 };
 
 class LightningIndexer {

@@ -4,7 +4,8 @@
 // Decode (dql 1), batch 1/8/32/128, every request at context 32K or 128K: bytes = the index-K rows
 // the requests must read (batch x context x 128 x 1 or 2 bytes); q, the block table and the top-k
 // output are < 0.1% and not counted. Reported against the copy ceiling measured in the run.
-// Inputs rotate over sets (disjoint pages of one cache) larger than 3x L2; graph replays.
+// Inputs rotate over sets (disjoint pages of one cache) larger than 3x L2; graph replays. Batch 1
+// and 8 also run with enable_pdl (the graph's calls as programmatic dependents of each other).
 // Prefill, one request of 8K and 32K new tokens: effective FLOPs = the causal QK^T over the 4 heads
 // (sum over tokens of (position + 1) x 128 x 2 x 4); the row's TFLOP/s and % are the scoring
 // kernel's (timed alone) against the bf16 GEMM rate measured in the run; `us` is the whole call
@@ -96,9 +97,11 @@ std::vector<BenchRow> bench_lightning_indexer(BenchEnv& env) {
         Tensor seq_lens = int32_on_gpu(std::vector<int32_t>(size_t(B), ctx), {B});
         Tensor out = Tensor::empty({B, kHeads, kTopk}, DType::kInt32, Device::cuda());
         LightningIndexer indexer(m3_config(fp8, 0, B, pages), Device::cuda());
+        bool pdl = false;
         auto call = [&](int s, CUstream_st* st) {
           IndexerDecodeArgs a{.index_q = qs[s], .index_cache = cache, .seq_lens = seq_lens,
-                              .block_table = tables[s], .decode_query_len = 1, .topk_out = out};
+                              .block_table = tables[s], .decode_query_len = 1, .topk_out = out,
+                              .enable_pdl = pdl};
           indexer.decode(a, st);
         };
         BenchRow r;
@@ -114,6 +117,17 @@ std::vector<BenchRow> bench_lightning_indexer(BenchEnv& env) {
         r.pct_ceiling = 100.0 * r.gbps / env.copy_gbps;
         r.note = "selection fused";
         rows.push_back(r);
+        if (B <= 8) {  // where a call's fixed costs show: back-to-back calls launched with PDL
+          pdl = true;
+          BenchRow q = r;
+          q.variant += " pdl";
+          q.us = time_us(call, sets, true, env);
+          q.ratios = {{"vs without pdl", r.us / q.us}};
+          q.gbps = bytes / (q.us * 1e3);
+          q.pct_ceiling = 100.0 * q.gbps / env.copy_gbps;
+          q.note += "; back-to-back calls with enable_pdl";
+          rows.push_back(q);
+        }
       }
     }
   }

@@ -39,6 +39,7 @@ struct IdxVariant {
   int dql;                    // decode_query_len; 0: prefill
   std::vector<int> seq_lens;
   std::vector<int> q_lens;    // prefill: query tokens of each request
+  bool pdl = false;           // decode: IndexerDecodeArgs::enable_pdl
 };
 
 // Host inputs of one call.
@@ -111,7 +112,7 @@ Tensor run_indexer(const IdxVariant& v, const IdxInputs& in, Device dev) {
   out.fill_bytes(kTopkPoison);
   if (v.dql) {
     indexer.decode({.index_q = q, .index_cache = cache, .seq_lens = lens, .block_table = table,
-                    .decode_query_len = v.dql, .topk_out = out});
+                    .decode_query_len = v.dql, .topk_out = out, .enable_pdl = v.pdl});
   } else {
     indexer.prefill({.index_q = q, .index_cache = cache, .cu_seqlens_q = cu, .seq_lens = lens,
                      .block_table = table, .max_query_len = in.max_query_len, .topk_out = out});
@@ -146,7 +147,7 @@ void check_indexer_variant(CheckContext& c, const IdxVariant& v) {
   c.variant = std::string(v.fp8 ? "fp8" : "bf16") + " H" + std::to_string(v.heads) + " k" +
               std::to_string(s.topk) + "/i" + std::to_string(s.init_blocks) + "/l" +
               std::to_string(s.local_blocks) + (v.dql ? " dql" + std::to_string(v.dql) : "") +
-              " B" + std::to_string(v.seq_lens.size()) + " T" + std::to_string(in.T);
+              " B" + std::to_string(v.seq_lens.size()) + " T" + std::to_string(in.T) + (v.pdl ? " pdl" : "");
   const Tensor got = run_indexer(v, in, c.device);
   const IndexerParams p = host_params(v, in);
   const int64_t row_stride = int64_t(v.heads) * s.topk;
@@ -180,9 +181,14 @@ void check_indexer_decode(CheckContext& c) {
   // seq_len 0 pads (all -1); 100 < 128; 20 < dql for dql 32 (leading rows -1).
   const std::vector<int> lens = {0, 100, 3000, 1500, 129};
   check_indexer_variant(c, {false, 4, kM3, 1, lens, {}});
+  check_indexer_variant(c, {true, 4, kM3, 1, lens, {}, true});  // launched with PDL (Hopper)
   check_indexer_variant(c, {true, 4, kM3, 8, lens, {}});
   check_indexer_variant(c, {false, 4, kInit2Local2, 32, {2100, 0, 20, 1400}, {}});
   check_indexer_variant(c, {true, 2, kInit2Local2, 8, {1300, 7, 0, 2600}, {}});
+  // Long rows: 256 and 257 blocks (one and two 256-block chunks of the selection), 313, and 1094
+  // (past 1024: the long-row selection).
+  check_indexer_variant(c, {false, 4, kM3, 1, {32768, 32769, 40000, 140000}, {}});
+  check_indexer_variant(c, {true, 2, kInit2Local2, 2, {131072, 70000, 32897}, {}});
 }
 
 }  // namespace m3rt::detail

@@ -202,6 +202,7 @@ void LightningIndexer::decode(const IndexerDecodeArgs& a, stream_t stream) {
     p.scores = scratch_->decode_scores.ptr<float>();
     p.counters = scratch_->counters.ptr<int>();
   }
+  p.pdl = a.enable_pdl;
   run_on_device(kOp, dev, p, indexer_ref, M3RT_LAUNCHER(indexer_decode_launch), stream);
 }
 

@@ -113,6 +113,9 @@ __device__ __forceinline__ void load_row_chunks(const void* row, int c,
 // block with no non-NaN visible dot stays NaN.
 __device__ __forceinline__ float kNaN() { return __int_as_float(0x7fffffff); }
 
+// fence.acq_rel at GPU scope: with a relaxed atomic after it a release, before reads an acquire.
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
+
 // ------------------------------------------------------------------------------------------------
 // Request geometry, as the reference defines it. A request whose lengths are inconsistent (a
 // negative length, more visible pages than the block table holds, a query longer than its
@@ -153,7 +156,6 @@ struct SelectScratch {
   uint32_t key[kSelectMaxBlocks];  // the row's candidate keys (0 elsewhere)
   uint32_t surv_key[kMaxSurvivors];
   int32_t surv_id[kMaxSurvivors];
-  uint32_t chosen[kSelectMaxBlocks / 32];  // bitmap of the chosen candidates
 };
 
 // Rows longer than kSelectMaxBlocks: the bit-by-bit threshold (below) with the keys re-read from
@@ -198,18 +200,131 @@ __device__ void warp_select_long_row(const float* scores, int nb, int topk, int 
   for (int j = written + lane; j < topk; j += 32) out[j] = -1;
 }
 
+// Steps 1-4 of select_row over chunks of 32 * kPer blocks (kPer keys a lane in flight).
+template <int kPer>
+__device__ __forceinline__ void select_candidates(const float* scores, int nb, int lo, int hi, int need, int32_t* out,
+                                                  SelectScratch& sc) {
+  const int lane = threadIdx.x % 32;
+  const unsigned lt = (1u << lane) - 1u;
+  constexpr int kChunk = 32 * kPer;
+  const int chunks = (nb + kChunk - 1) / kChunk;
+  // 1. Keys and lane maxima; a lane's keys are the blocks c * kChunk + 32 i + lane.
+  auto load_chunk = [&](int c, float (&v)[kPer]) {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int j = c * kChunk + 32 * i + lane;
+      v[i] = j >= lo && j < hi ? __ldcg(scores + j) : kNaN();  // a NaN and a non-candidate: key 0
+    }
+  };
+  uint32_t lane_max = 0;
+  float cur[kPer];
+  load_chunk(0, cur);
+  for (int c = 0; c < chunks; ++c) {
+    float next[kPer];
+    load_chunk(c + 1, next);  // nothing past the last chunk (every j >= hi)
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const uint32_t key = score_key(cur[i]);
+      sc.key[c * kChunk + 32 * i + lane] = key;
+      lane_max = max(lane_max, key);
+      cur[i] = next[i];
+    }
+  }
+  // 2. T: the need-th largest lane maximum (the smallest maximum with fewer than `need` above it).
+  uint32_t t = 0;
+  if (need <= 32) {
+    int above[4] = {0, 0, 0, 0};  // independent counts: the 32 broadcasts are not a chain
+#pragma unroll
+    for (int l = 0; l < 32; ++l) above[l % 4] += __shfl_sync(kFullMask, lane_max, l) > lane_max ? 1 : 0;
+    t = __reduce_min_sync(kFullMask, above[0] + above[1] + above[2] + above[3] < need ? lane_max : ~0u);
+  }
+  // 3. The survivors (candidates >= T) in id order.
+  int survivors = 0;
+  for (int c = 0; c < chunks; ++c) {
+    uint32_t key[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) key[i] = sc.key[c * kChunk + 32 * i + lane];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int j = c * kChunk + 32 * i + lane;
+      const bool s = j >= lo && j < hi && key[i] >= t;
+      const unsigned ballot = __ballot_sync(kFullMask, s);
+      const int idx = survivors + __popc(ballot & lt);
+      if (s && idx < kMaxSurvivors) {
+        sc.surv_key[idx] = key[i];
+        sc.surv_id[idx] = j;
+      }
+      survivors += __popc(ballot);
+    }
+  }
+  __syncwarp();
+  if (survivors <= kMaxSurvivors) {
+    // Lane l ranks survivors l and l + 32; a survivor's index order is its id order.
+    const int q0 = lane, q1 = lane + 32;
+    const uint32_t k0 = q0 < survivors ? sc.surv_key[q0] : 0u, k1 = q1 < survivors ? sc.surv_key[q1] : 0u;
+    int r0 = 0, r1 = 0;
+#pragma unroll 8
+    for (int e = 0; e < survivors; ++e) {
+      const uint32_t ke = sc.surv_key[e];
+      r0 += ke > k0 || (ke == k0 && e < q0) ? 1 : 0;
+      r1 += ke > k1 || (ke == k1 && e < q1) ? 1 : 0;
+    }
+    const bool c0 = q0 < survivors && r0 < need, c1 = q1 < survivors && r1 < need;
+    const unsigned b0 = __ballot_sync(kFullMask, c0), b1 = __ballot_sync(kFullMask, c1);
+    if (c0) out[lo + __popc(b0 & lt)] = sc.surv_id[q0];
+    if (c1) out[lo + __popc(b0) + __popc(b1 & lt)] = sc.surv_id[q1];
+  } else {
+    // 4. Bit by bit.
+    auto count_at_least = [&](uint32_t th) {
+      unsigned n = 0;
+      for (int c = 0; c < chunks; ++c) {
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) {
+          const int j = c * kChunk + 32 * i + lane;
+          n += j >= lo && j < hi && sc.key[j] >= th ? 1u : 0u;
+        }
+      }
+      return int(__reduce_add_sync(kFullMask, n));
+    };
+    uint32_t threshold = 0;
+    for (int bit = 31; bit >= 0; --bit)
+      if (count_at_least(threshold | (1u << bit)) >= need) threshold |= 1u << bit;
+    const int take_equal = need - (threshold == 0xffffffffu ? 0 : count_at_least(threshold + 1));
+    int written = 0, equal_seen = 0;
+    for (int c = 0; c < chunks; ++c) {
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int j = c * kChunk + 32 * i + lane;
+        const bool cand = j >= lo && j < hi;
+        const uint32_t key = cand ? sc.key[j] : 0u;
+        const bool eq = cand && key == threshold;
+        const unsigned eq_ballot = __ballot_sync(kFullMask, eq);
+        const bool sel = (cand && key > threshold) || (eq && equal_seen + __popc(eq_ballot & lt) < take_equal);
+        equal_seen += __popc(eq_ballot);
+        const unsigned sel_ballot = __ballot_sync(kFullMask, sel);
+        if (sel) out[lo + written + __popc(sel_ballot & lt)] = j;
+        written += __popc(sel_ballot);
+      }
+    }
+  }
+}
+
 // One warp selects one row: forced blocks [0, init) and [nb - local, nb), then the best `need` of
 // the candidates [init, nb - local), ranked by key (ties: the lower id). Writes the selected ids in
-// ascending order, then -1. The keys are staged in shared memory and every loop is rolled: the
-// decode kernel runs this once per request on a cold SM, where unrolled code would spend its time
-// fetching instructions.
-//   1. T1 = the need-th largest of the lanes' maxima (0, no filter, when need > 32): at least
-//      `need` keys are >= T1, so every selected key is >= T1.
-//   2. The candidates >= T1 (few, for any but adversarial rows) are compacted; each is chosen when
-//      fewer than `need` of them rank above it.
-//   3. When more than kMaxSurvivors pass the filter: the threshold T bit by bit from the top (T
-//      keeps a bit when at least `need` keys are >= T with it; one warp reduction per bit); keys
-//      above T are chosen, and of those equal to T the lowest ids.
+// ascending order, then -1. In the decode kernel this runs once per request on an SM that has not
+// run it before, after every split has stored its scores, so its length is the call's tail: each
+// step is a short chain of independent instructions (no loop-carried memory round trips; the code is
+// rolled over chunks of 64 or 256 blocks, so little of it has to be fetched).
+//   1. The keys (L2 -> shared memory; one chunk's loads in flight while the previous one is stored)
+//      and each lane's maximum candidate key.
+//   2. T = the need-th largest of the 32 lane maxima: at least `need` candidate keys are >= T, so
+//      every selected key is >= T (need > 32: T = 0, no filter). For random scores ~20 keys pass.
+//   3. The candidates >= T are compacted in id order (ballots); each is chosen when fewer than
+//      `need` of them rank above it (a larger key, or an equal key at a lower id). The chosen ids
+//      follow the init blocks in the output, in id order, and the local blocks follow them.
+//   4. When more than kMaxSurvivors pass T (many equal keys): the threshold bit by bit from the top
+//      (it keeps a bit when at least `need` keys are >= it; one warp reduction per bit); keys above
+//      it are chosen, and of those equal to it the lowest ids.
 __device__ void select_row(const float* scores, int nb, int topk, int init_blocks, int local_blocks,
                            int32_t* out, SelectScratch& sc) {
   const int lane = threadIdx.x % 32;
@@ -220,91 +335,16 @@ __device__ void select_row(const float* scores, int nb, int topk, int init_block
   if (nb > kSelectMaxBlocks) return warp_select_long_row(scores, nb, topk, init_blocks, local_blocks, out);
   const int lo = init_blocks, hi = nb - local_blocks;  // candidates; nb > topk >= init + local
   const int need = topk - init_blocks - local_blocks;
-  const unsigned lt = (1u << lane) - 1u;
-  // Lane maxima over candidates; a lane without candidates counts as 0 (as a NaN key would): T1 > 0
-  // then still has `need` real keys at or above it.
-  uint32_t lane_max = 0;
-#pragma unroll 8
-  for (int j = lane; j < nb; j += 32) {
-    const bool cand = j >= lo && j < hi;
-    const uint32_t key = cand ? score_key(__ldcg(scores + j)) : 0u;
-    sc.key[j] = key;
-    lane_max = max(lane_max, key);
-  }
-  sc.chosen[lane] = 0;
-  __syncwarp();
-  if (need > 0) {
-    // 1. The need-th largest lane maximum (ties: the lower lane first).
-    int rank = 0;
-#pragma unroll
-    for (int l = 0; l < 32; ++l) {
-      const uint32_t v = __shfl_sync(kFullMask, lane_max, l);
-      rank += (v > lane_max || (v == lane_max && l < lane)) ? 1 : 0;
-    }
-    const unsigned at = __ballot_sync(kFullMask, rank == need - 1);  // one lane, if need <= 32
-    const uint32_t t1 = __shfl_sync(kFullMask, lane_max, at ? __ffs(at) - 1 : 0) * (at ? 1u : 0u);
-    // 2. Compact the survivors.
-    int survivors = 0;
-#pragma unroll 4
-    for (int base = lo - lo % 32; base < hi; base += 32) {
-      const int j = base + lane;
-      const bool s = j >= lo && j < hi && sc.key[j] >= t1;
-      const unsigned ballot = __ballot_sync(kFullMask, s);
-      const int idx = survivors + __popc(ballot & lt);
-      if (s && idx < kMaxSurvivors) {
-        sc.surv_key[idx] = sc.key[j];
-        sc.surv_id[idx] = j;
-      }
-      survivors += __popc(ballot);
-    }
-    __syncwarp();
-    if (survivors <= kMaxSurvivors) {
-      for (int q = lane; q < survivors; q += 32) {
-        const uint32_t kq = sc.surv_key[q];
-        const int iq = sc.surv_id[q];
-        int above = 0;
-#pragma unroll 8
-        for (int e = 0; e < survivors; ++e) {
-          const uint32_t ke = sc.surv_key[e];
-          above += (ke > kq || (ke == kq && sc.surv_id[e] < iq)) ? 1 : 0;
-        }
-        if (above < need) atomicOr(&sc.chosen[iq / 32], 1u << (iq % 32));
-      }
-    } else {
-      // 3. Bit by bit.
-      auto count_at_least = [&](uint32_t t) {
-        unsigned n = 0;
-        for (int j = lo + lane; j < hi; j += 32) n += sc.key[j] >= t ? 1u : 0u;
-        return int(__reduce_add_sync(kFullMask, n));
-      };
-      uint32_t threshold = 0;
-      for (int bit = 31; bit >= 0; --bit)
-        if (count_at_least(threshold | (1u << bit)) >= need) threshold |= 1u << bit;
-      const int take_equal = need - (threshold == 0xffffffffu ? 0 : count_at_least(threshold + 1));
-      int equal_seen = 0;
-      for (int base = lo - lo % 32; base < hi; base += 32) {
-        const int j = base + lane;
-        const bool cand = j >= lo && j < hi;
-        const uint32_t key = cand ? sc.key[j] : 0u;
-        const bool eq = cand && key == threshold;
-        const unsigned eq_ballot = __ballot_sync(kFullMask, eq);
-        if ((cand && key > threshold) || (eq && equal_seen + __popc(eq_ballot & lt) < take_equal))
-          atomicOr(&sc.chosen[j / 32], 1u << (j % 32));
-        equal_seen += __popc(eq_ballot);
-      }
-    }
-    __syncwarp();
-  }
-  // Forced and chosen blocks, in ascending id order.
-  int written = 0;
-  for (int base = 0; base < nb; base += 32) {
-    const int j = base + lane;
-    const bool sel = j < nb && (j < lo || j >= hi || ((sc.chosen[base / 32] >> lane) & 1u));
-    const unsigned sel_ballot = __ballot_sync(kFullMask, sel);
-    if (sel) out[written + __popc(sel_ballot & lt)] = j;
-    written += __popc(sel_ballot);
-  }
-  for (int j = written + lane; j < topk; j += 32) out[j] = -1;
+  // The forced blocks, at their final places: [0, init) first, [hi, nb) after the `need` chosen.
+  for (int j = lane; j < lo; j += 32) out[j] = j;
+  for (int j = hi + lane; j < nb; j += 32) out[lo + need + j - hi] = j;
+  if (need == 0) return;
+  // Rows of up to 64 blocks (most prefill rows) in one pass of 2 keys a lane, longer rows in
+  // passes of 8.
+  if (nb <= 64)
+    select_candidates<2>(scores, nb, lo, hi, need, out, sc);
+  else
+    select_candidates<8>(scores, nb, lo, hi, need, out, sc);
   __syncwarp();  // the scratch is free for the warp's next row
 }
 
@@ -389,12 +429,15 @@ __device__ __forceinline__ void decode_keys_max(const uint32_t (&kw)[2][2][kWord
 // SelectScratch per warp, in shared memory the CTA no longer needs.
 __device__ void decode_arrive_and_select(const IndexerParams& p, int b, const Request& req,
                                          int arrivals, bool* last_arrival, SelectScratch* scratch) {
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) *last_arrival = atomicAdd(p.counters + b, 1) + 1 == arrivals;
+  __syncthreads();  // the CTA's score stores come before thread 0's release (cumulative over the barrier)
+  if (threadIdx.x == 0) {
+    fence_acq_rel_gpu();
+    const bool last = atomicAdd(p.counters + b, 1) + 1 == arrivals;
+    if (last) fence_acq_rel_gpu();  // acquire: every other CTA's scores
+    *last_arrival = last;
+  }
   __syncthreads();
   if (!*last_arrival) return;
-  __threadfence();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int H = p.num_heads, dql = p.decode_query_len, rows_total = dql * H;
   for (int row = warp; row < rows_total; row += int(blockDim.x) / 32) {
@@ -497,6 +540,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   constexpr int kPageBytes = decode_sm90_page_bytes<kFp8>();
   constexpr int kRowBytes = 128 * (kFp8 ? 1 : 2);
   uint2* q_frag = reinterpret_cast<uint2*>(dsmem + kDecodeStages * kPageBytes);
+  kernels::grid_dependency_wait();  // launched with PDL (p.pdl): nothing is read before this
+  if (p.pdl_trigger) kernels::launch_dependents();
   const int b = blockIdx.y, group = blockIdx.z;
   const int H = p.num_heads, rows_total = p.decode_query_len * H;
   const int row0 = group * kDecodeRows, rows = min(kDecodeRows, rows_total - row0);
@@ -1012,15 +1057,15 @@ void indexer_decode_launch(const IndexerParams& p, CUstream_st* stream) {
                               n_tiles * 8 * 32 * int(sizeof(uint2))
                         : 0;
   int per_sm = kDecodeMinBlocks;
+  auto sm90_kernel = p.fp8 ? indexer_decode_sm90_kernel<true> : indexer_decode_sm90_kernel<false>;
   if (sm90) {
-    auto kernel = p.fp8 ? indexer_decode_sm90_kernel<true> : indexer_decode_sm90_kernel<false>;
     static bool configured[2] = {false, false};
     if (!configured[p.fp8]) {
-      M3RT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      M3RT_CUDA_CHECK(cudaFuncSetAttribute(sm90_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            kDecodeStages * decode_sm90_page_bytes<false>() + kDecodeNTiles * 8 * 32 * 8));
       configured[p.fp8] = true;
     }
-    M3RT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kDecodeThreads, smem));
+    M3RT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sm90_kernel, kDecodeThreads, smem));
     per_sm = std::max(per_sm, 1);
   }
   // One wave of CTAs over the batch; each CTA at least 4 pages of the widest table.
@@ -1030,10 +1075,27 @@ void indexer_decode_launch(const IndexerParams& p, CUstream_st* stream) {
   const int splits = std::min(by_wave, by_pages);
   const dim3 grid(unsigned(splits), unsigned(p.num_seqs), unsigned(groups));
   if (sm90) {
-    if (p.fp8)
-      indexer_decode_sm90_kernel<true><<<grid, kDecodeThreads, smem, stream>>>(p, splits, groups);
-    else
-      indexer_decode_sm90_kernel<false><<<grid, kDecodeThreads, smem, stream>>>(p, splits, groups);
+    if (p.pdl) {
+      // PDL: the CTAs launch while the previous kernel finishes and wait for it before reading.
+      // A one-wave grid (every CTA resident at once) lets the next PDL grid launch as soon as all
+      // its CTAs run; with more waves, only at its end (waiting CTAs of the next grid would take
+      // the slots this grid's later CTAs need).
+      IndexerParams call = p;
+      call.pdl_trigger = int64_t(splits) * p.num_seqs * groups <= resident;
+      cudaLaunchConfig_t lc{};
+      lc.gridDim = grid;
+      lc.blockDim = dim3(unsigned(kDecodeThreads));
+      lc.dynamicSmemBytes = size_t(smem);
+      lc.stream = stream;
+      cudaLaunchAttribute attr{};
+      attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr.val.programmaticStreamSerializationAllowed = 1;
+      lc.attrs = &attr;
+      lc.numAttrs = 1;
+      M3RT_CUDA_CHECK(cudaLaunchKernelEx(&lc, sm90_kernel, call, splits, groups));
+    } else {
+      sm90_kernel<<<grid, kDecodeThreads, smem, stream>>>(p, splits, groups);
+    }
     M3RT_LAUNCH_CHECK(stream, "indexer_decode_sm90_kernel");
   } else {
     if (p.fp8)

@@ -34,6 +34,8 @@ struct IndexerParams {
   // GPU scratch (unused by the reference).
   float* scores;                // [scratch_rows, num_heads, max_blocks] fp32
   int* counters;                // [num_seqs] arrival counters of the decode kernel, zero between calls
+  bool pdl;                     // decode: launch as a programmatic dependent (IndexerDecodeArgs::enable_pdl)
+  bool pdl_trigger;             // set by the launcher: let the next PDL grid launch once every CTA runs
 };
 
 // The params of one call over its tensors (no checks: the op validates before it builds them;

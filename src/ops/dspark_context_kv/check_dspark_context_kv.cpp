@@ -111,10 +111,13 @@ void check_dspark_context_kv_write(CheckContext& c) {
   check_writer_variant(c, {true, 5, 4, 128, 64, 513});
   check_writer_variant(c, {false, 1, 1, 16, 16, 7});
   check_writer_variant(c, {true, 2, 2, 64, 32, 65});
-  // Rotary 16 / 32 and 6 (layer, kv head) pairs at n ~ 300.
+  // Rotary 16 / 32 and a partial group of (layer, kv head) pairs (6 = 4 + 2) at n >= 256.
   check_writer_variant(c, {false, 1, 1, 16, 16, 300});
   check_writer_variant(c, {true, 2, 2, 64, 32, 290});
   check_writer_variant(c, {false, 3, 2, 64, 64, 301});
+  // fp8 from 16384 tokens runs the quad kernel: a full and a partial group of pairs, many steps.
+  check_writer_variant(c, {true, 2, 2, 64, 64, 16400});
+  check_writer_variant(c, {true, 1, 1, 16, 16, 16390});
 }
 
 }  // namespace m3rt::detail

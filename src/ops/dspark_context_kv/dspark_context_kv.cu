@@ -121,6 +121,154 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   cp_async_wait<0>();
 }
 
+// ---- The quad kernel (head_math.cuh's quad layout): a quad (4 lanes) per (token, layer, kv
+// head), lane q owning the K and V chunks q, q + 4, q + 8, q + 12. A warp holds 8 quads: 4 (layer,
+// kv head) pairs x 2 tokens; a block of 2 warps walks token steps of 4 (stride gridDim.y x 4)
+// through a 3-stage cp.async pipeline per warp (2 tokens x 4 pairs x [K | V] rows, 4 KB, stored with
+// the bank swizzle chunk ^ 4 (quad & 1)).
+// Used for fp8 caches from kQuadMinTokens tokens: on an H200 (same run) fp8 n = 32768 138.9 us
+// (85.2% of the copy ceiling) against the half-warp kernel's 151.5 us (78.4%), but n = 8192 41.8 vs
+// 40.7 us and bf16 slower at every size (n = 32768 192.6 vs 181.5 us: the half-warp kernel is at its
+// access pattern's ceiling already, docs/perf.md); 16384 lies between the measured sizes.
+constexpr int64_t kQuadMinTokens = 16384;
+constexpr int kQuadThreads = 64;
+constexpr int kQuadWarps = kQuadThreads / 32;
+constexpr int kPairsPerWarp = 4;   // x 2 tokens = 8 quads
+constexpr int kQuadBlocksPerSm = 8;  // up to 128 registers a thread; 27 KB of shared memory each
+
+struct QuadStage {
+  uint4 rows[2 * kPairsPerWarp * 2 * 16];  // [token][pair][K, V][chunk, swizzled]
+  int64_t idx[2][2];                       // [token][slot, position]
+};
+
+template <int kRotaryDim, bool kFp8>
+__global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
+    dspark_context_kv_quad_kernel(const __grid_constant__ DsparkContextKvParams p) {
+  using namespace kernels;
+  constexpr int kElemBytes = kFp8 ? 1 : 2;
+  __shared__ QuadStage stages[kStages][kQuadWarps];  // 3 x 2 x 4128 bytes
+  // 1 + w of the block's 4 pairs' layers in fp32, as lane q of a quad reads it: [pair][q][k][8].
+  __shared__ float4 w1_table[kPairsPerWarp][kQuadLanes][kQuadChunks][2];
+  const int nkv = p.num_kv_heads, pairs = p.num_layers * nkv, num_ctx = int(p.num_ctx);
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, q = lane % kQuadLanes;
+  const int g = lane / kQuadLanes;                        // the quad: token g / 4, pair g % 4
+  const int half = g / kPairsPerWarp, pair0 = int(blockIdx.x) * kPairsPerWarp, pair = pair0 + g % kPairsPerWarp;
+  const bool active = pair < pairs;
+  const int l = active ? pair / nkv : 0, h = active ? pair - l * nkv : 0;
+  // The copies: a lane moves 8 of the warp's 256 16-byte pieces per step; piece lane + 32 i is row
+  // 2 i + lane / 16 (token i / 4, pair i % 4, K or V by lane / 16), chunk lane % 16.
+  const int c_piece = lane % 16, kv_piece = lane / 16;
+  uint32_t src_off[kPairsPerWarp];  // elements within a token's all_kv row, per pair of the block
+#pragma unroll
+  for (int i = 0; i < kPairsPerWarp; ++i) {
+    const int pr = min(pair0 + i, pairs - 1), pl = pr / nkv;
+    src_off[i] = uint32_t(((pl * 2 + kv_piece) * nkv + (pr - pl * nkv)) * 128 + c_piece * kDimsPerLane);
+  }
+  const int valid_pairs = min(kPairsPerWarp, pairs - pair0);
+  const uint32_t rows_smem = smem_u32(&stages[0][warp].rows[0]);
+  const uint32_t idx_smem = smem_u32(&stages[0][warp].idx[(lane / 2) % 2][lane % 2]);
+  const int token_step = int(gridDim.y) * kQuadWarps * 2;
+  int t_pref = (int(blockIdx.y) * kQuadWarps + warp) * 2;  // the warp's first token of the next copy
+  auto prefetch = [&](int stage) {
+    if (t_pref < num_ctx) {
+      const uint16_t* row0 = p.all_kv + int64_t(t_pref) * p.stride_all_kv_t;
+#pragma unroll
+      for (int i = 0; i < 2 * kPairsPerWarp; ++i) {
+        const int tk = i / kPairsPerWarp, pi = i % kPairsPerWarp;
+        if (t_pref + tk < num_ctx && pi < valid_pairs) {
+          const int r = 2 * i + kv_piece;
+          cp_async_16(rows_smem + stage * sizeof(stages[0]) + (r * 16 + (c_piece ^ ((i & 1) << 2))) * sizeof(uint4),
+                      row0 + (tk ? p.stride_all_kv_t : 0) + src_off[pi]);
+        }
+      }
+      if (lane < 4 && t_pref + lane / 2 < num_ctx)
+        cp_async_8(idx_smem + stage * sizeof(stages[0]), (lane % 2 ? p.positions : p.slots) + t_pref + lane / 2);
+    }
+    cp_async_commit();  // an empty group past the end keeps the wait counts uniform
+    t_pref += token_step;
+  };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) prefetch(i);  // before the table: the copies go out first
+  for (int i = int(threadIdx.x); i < kPairsPerWarp * 64; i += kQuadThreads) {  // 2 dims a thread
+    const int pi = i / 64, d = (i % 64) * 2;
+    if (pair0 + pi < pairs) {
+      const int pl = (pair0 + pi) / nkv;
+      const uint32_t two = __ldg(reinterpret_cast<const uint32_t*>(p.k_norm_weight + pl * 128 + d));
+      const int c = d / 8, e = d % 8;
+      float* dst = reinterpret_cast<float*>(&w1_table[pi][c % kQuadLanes][c / kQuadLanes][0]) + e;
+      dst[0] = __fadd_rn(1.f, __uint_as_float(two << 16));
+      dst[1] = __fadd_rn(1.f, __uint_as_float(two & 0xffff0000u));
+    }
+  }
+  __syncthreads();  // the only block-wide barrier
+  const float4 (&w1)[kQuadChunks][2] = w1_table[active ? g % kPairsPerWarp : 0][q];
+  E4m3Quantizer k_q, v_q;
+  if constexpr (kFp8) {
+    if (active) {
+      k_q = E4m3Quantizer(__ldg(p.scale0 + p.tables.scale_offsets[l]));
+      v_q = E4m3Quantizer(__ldg(p.scale0 + p.tables.scale_offsets[p.num_layers + l]));
+    }
+  }
+  // This lane's elements of its (layer, kv head)'s cache row at slot 0 (chunk k at + 32 k).
+  char* const cache_lane = static_cast<char*>(p.cache0) +
+                           (p.tables.cache_offsets[l] + h * p.stride_cache_head + q * kDimsPerLane) * kElemBytes;
+  const uint32_t block_bytes = uint32_t(p.stride_cache_block) * kElemBytes;
+  const uint32_t offset_mask = (1u << p.block_size_log2) - 1;
+  const auto* table = reinterpret_cast<const __nv_bfloat16*>(p.cos_sin);
+  const int swz = (g & 1) << 2;  // the quad's bank swizzle
+  constexpr int kChunkStride = kQuadLanes * kDimsPerLane;  // elements between a lane's chunks
+  int cur = 0;
+  for (int t0 = (int(blockIdx.y) * kQuadWarps + warp) * 2; t0 < num_ctx; t0 += token_step, cur = (cur + 1) % kStages) {
+    prefetch((cur + kStages - 1) % kStages);
+    cp_async_wait<kStages - 1>();  // this step's copies have landed
+    __syncwarp();
+    const QuadStage& st = stages[cur][warp];
+    const int t = t0 + half;
+    const int64_t slot = st.idx[half][0], pos = st.idx[half][1];
+    const int r = 2 * g;  // the quad's K row in the stage; V is r + 1
+    uint4 kraw[kQuadChunks], vraw[kQuadChunks];
+#pragma unroll
+    for (int k = 0; k < kQuadChunks; ++k) {
+      kraw[k] = st.rows[r * 16 + (quad_chunk(q, k) ^ swz)];
+      vraw[k] = st.rows[(r + 1) * 16 + (quad_chunk(q, k) ^ swz)];
+    }
+    __syncwarp();  // every lane has read the stage before it is refilled
+    // Padding (slot < 0), slots past the cache, positions past the table, idle quads: not written.
+    const bool write = active && t < num_ctx && uint64_t(slot) < uint64_t(p.num_slots) &&
+                       uint64_t(pos) < uint64_t(p.max_pos);
+    RopeLane rope{};
+    if (quad_lane_rotates<kRotaryDim>(q)) rope = load_rope_quad<kRotaryDim>(q, table + (write ? int(pos) : 0) * kRotaryDim);
+    char* const row = cache_row_at<kElemBytes>(cache_lane, write ? uint32_t(slot) : 0u, p.block_size_log2, block_bytes, offset_mask);
+    if (write) {
+#pragma unroll
+      for (int k = 0; k < kQuadChunks; ++k) store_cache_copy<kFp8>(row + (128 + k * kChunkStride) * kElemBytes, 0, vraw[k], v_q);
+    }
+    // K: normed in fp32, materialized to bf16, rotated in fp32, rounded (every lane runs it).
+    const float inv_rms = quad_inv_rms(kraw, p.eps, kFullMask);
+    {
+      float x0[8], x1[8];
+      norm_chunk(kraw[0], inv_rms, w1[0], x0);
+      norm_chunk(kraw[1], inv_rms, w1[1], x1);
+      round_bf16x8(x0);
+      round_bf16x8(x1);
+      rope_neox_quad<kRotaryDim>(x0, x1, q, rope, kFullMask);
+      if (write) {
+        store_cache_copy<kFp8>(row, 0, pack_bf16x8(x0), k_q);
+        store_cache_copy<kFp8>(row + kChunkStride * kElemBytes, 0, pack_bf16x8(x1), k_q);
+      }
+    }
+    if (write) {
+#pragma unroll
+      for (int k = 2; k < kQuadChunks; ++k) {
+        float x[8];
+        norm_chunk(kraw[k], inv_rms, w1[k], x);
+        store_cache_copy<kFp8>(row + k * kChunkStride * kElemBytes, 0, pack_bf16x8(x), k_q);
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
 template <int kRotaryDim, bool kFp8>
 void launch(const DsparkContextKvParams& p, cudaStream_t stream) {
   // The kernel indexes tokens, slots, positions and a block's bytes in 32 bits.
@@ -130,8 +278,17 @@ void launch(const DsparkContextKvParams& p, cudaStream_t stream) {
   detail::require_below_2_31("dspark_context_kv_write", "cache block stride in bytes", p.stride_cache_block * 2);
   // Enough blocks to fill the GPU once (each then walks several runs, prefetching the next while
   // computing the current), but no more than there are runs.
-  const int resident = detail::multiprocessor_count() * kMinBlocksPerSm;
   const int pairs = p.num_layers * p.num_kv_heads;
+  if (p.fp8 && p.num_ctx >= kQuadMinTokens) {
+    const int x_blocks = (pairs + kPairsPerWarp - 1) / kPairsPerWarp;
+    const int64_t steps = (p.num_ctx + kQuadWarps * 2 - 1) / (kQuadWarps * 2);
+    const int64_t waves = std::max<int64_t>(1, detail::multiprocessor_count() * kQuadBlocksPerSm / x_blocks);
+    const dim3 grid(unsigned(x_blocks), unsigned(std::min<int64_t>({steps, waves, kMaxGridY})));
+    dspark_context_kv_quad_kernel<kRotaryDim, kFp8><<<grid, kQuadThreads, 0, stream>>>(p);
+    M3RT_LAUNCH_CHECK(stream, "dspark_context_kv_quad_kernel");
+    return;
+  }
+  const int resident = detail::multiprocessor_count() * kMinBlocksPerSm;
   const int64_t runs = (p.num_ctx + kTokensPerRun - 1) / kTokensPerRun;
   const int64_t waves = std::max<int64_t>(1, resident / pairs);
   const dim3 grid(unsigned(pairs), unsigned(std::min<int64_t>({runs, waves, kMaxGridY})));

@@ -14,7 +14,7 @@
 // [split * per, (split + 1) * per) of its request (per = ceil(visible pages / splits), from the
 // device-side seq_len, so the grid depends only on shapes): keys as the M dimension of m16n8k16
 // MMAs, the request's dql x Hidx query rows as N. Hopper: whole pages bulk-copied into shared
-// memory (three in flight), a warp per 32 keys; portable: a warp per page, its chunks loaded
+// memory (two in flight), a warp per 32 keys; portable: a warp per page, its chunks loaded
 // straight into registers, with the 128 dims of a row permuted so that lane c of a quad owns the
 // 16-byte chunks 4i + c (load_row_chunks / chunks_to_words; Q and K use the same permutation, so
 // each dot product pairs the same dims, only the order of the sum changes). Scores go to the
@@ -351,7 +351,7 @@ __device__ void select_row(const float* scores, int nb, int topk, int init_block
 // ------------------------------------------------------------------------------------------------
 // Decode. Two kernels share the pieces below: the portable one (every GPU) where each warp streams
 // its own pages from global memory into registers, and the Hopper one where whole pages stream into
-// shared memory by bulk copy (cp.async.bulk + mbarrier, three pages in flight per CTA).
+// shared memory by bulk copy (cp.async.bulk + mbarrier, two pages in flight per CTA).
 constexpr int kDecodeWarps = 4;
 constexpr int kDecodeThreads = kDecodeWarps * 32;
 constexpr int kDecodeMinBlocks = 4;
@@ -520,7 +520,11 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinBlocks)
 }
 
 // ---- Hopper decode: pages by bulk copy into shared memory.
-constexpr int kDecodeStages = 3;
+// Two pages in flight a CTA (3 CTAs a SM for bf16, 6 for fp8): on the H200 (same run, B8) faster
+// than three (bf16 128K 67.7-68.0 vs 70.6-71.0 us, fp8 32K 14.3-14.5 vs 15.5-15.6, fp8 128K
+// 40.2-40.3 vs 41.1-41.6; bf16 32K unchanged) and four (79.4, 16.5-16.7, 41.7-41.9): fewer bytes
+// queued in a saturated memory system, so the last pages and the arrivals wait less.
+constexpr int kDecodeStages = 2;
 
 template <bool kFp8>
 __host__ __device__ constexpr int decode_sm90_page_bytes() {
@@ -1073,7 +1077,7 @@ void indexer_decode_launch(const IndexerParams& p, CUstream_st* stream) {
   const int groups = (rows + kDecodeRows - 1) / kDecodeRows;
   const int n_tiles = (std::min(rows, kDecodeRows) + 7) / 8;
   const bool sm90 = !g_force_portable && kernels::hopper_paths_run();
-  // Hopper: three pages per CTA in flight through shared memory; CTAs per SM as the shared memory
+  // Hopper: two pages per CTA in flight through shared memory; CTAs per SM as the shared memory
   // allows. Portable: four CTAs per SM, a warp per page.
   const int smem = sm90 ? kDecodeStages * (p.fp8 ? decode_sm90_page_bytes<true>() : decode_sm90_page_bytes<false>()) +
                               n_tiles * 8 * 32 * int(sizeof(uint2))

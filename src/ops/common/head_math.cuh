@@ -230,6 +230,15 @@ __device__ __forceinline__ void rope_neox_head(float (&x)[8], int j, const RopeL
 constexpr int kQuadLanes = 4;
 constexpr int kQuadChunks = 4;  // chunks per lane
 __device__ __forceinline__ int quad_chunk(int q, int k) { return q + kQuadLanes * k; }
+// A 128-dim head's norm factors 1 + w in fp32 as its quad reads them: row[q][k] holds the 8 factors
+// of chunk quad_chunk(q, k). Stores dims d and d + 1 (d even) from their bf16 pair `two`.
+__device__ __forceinline__ void quad_norm_factors_store(float4 (&row)[kQuadLanes][kQuadChunks][2], int d,
+                                                        uint32_t two) {
+  const int c = d / 8, e = d % 8;
+  float* dst = reinterpret_cast<float*>(&row[c % kQuadLanes][c / kQuadLanes][0]) + e;
+  dst[0] = __fadd_rn(1.f, __uint_as_float(two << 16));
+  dst[1] = __fadd_rn(1.f, __uint_as_float(two & 0xffff0000u));
+}
 
 // 1 / sqrt(mean(x^2) + eps) of one head in the quad layout, from the lane's 4 chunks of bf16
 // (raw[k] = chunk q + 4k): head_sum_of_squares bit for bit (the same terms in the same order: the

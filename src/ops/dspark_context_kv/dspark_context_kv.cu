@@ -193,11 +193,7 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
     const int pi = i / 64, d = (i % 64) * 2;
     if (pair0 + pi < pairs) {
       const int pl = (pair0 + pi) / nkv;
-      const uint32_t two = __ldg(reinterpret_cast<const uint32_t*>(p.k_norm_weight + pl * 128 + d));
-      const int c = d / 8, e = d % 8;
-      float* dst = reinterpret_cast<float*>(&w1_table[pi][c % kQuadLanes][c / kQuadLanes][0]) + e;
-      dst[0] = __fadd_rn(1.f, __uint_as_float(two << 16));
-      dst[1] = __fadd_rn(1.f, __uint_as_float(two & 0xffff0000u));
+      quad_norm_factors_store(w1_table[pi], d, __ldg(reinterpret_cast<const uint32_t*>(p.k_norm_weight + pl * 128 + d)));
     }
   }
   __syncthreads();  // the only block-wide barrier

@@ -195,13 +195,7 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
     const int kd = i / 64, d = (i % 64) * 2;
     const uint16_t* wk = kd == kItemQ ? p.q_norm_weight : kd == kItemK ? p.k_norm_weight
                          : kd == kItemIndexQ ? p.index_q_norm_weight : p.index_k_norm_weight;
-    if (wk != nullptr) {
-      const uint32_t two = __ldg(reinterpret_cast<const uint32_t*>(wk + d));
-      const int c = d / 8, e = d % 8;
-      float* dst = reinterpret_cast<float*>(&w1_table[kd][c % kQuadLanes][c / kQuadLanes][0]) + e;
-      dst[0] = __fadd_rn(1.f, __uint_as_float(two << 16));
-      dst[1] = __fadd_rn(1.f, __uint_as_float(two & 0xffff0000u));
-    }
+    if (wk != nullptr) quad_norm_factors_store(w1_table[kd], d, __ldg(reinterpret_cast<const uint32_t*>(wk + d)));
   }
   __syncthreads();  // the only block-wide barrier
   // The lane's norm factors (v and idle quads norm with q's, never stored).

@@ -8,6 +8,7 @@
 //   - the indexer's GPU selection on given scores equals the reference's bit for bit (every branch);
 //   - CUDA-graph capture of MSA decode (a plan's run): seq_lens, top-k and block table changed in
 //     place, replays match eager runs bit for bit;
+// One host-only test runs everywhere: the one-wave grid rule of the loop-walking kernels' launchers.
 // The ops' GPU-vs-CPU checks run from test_check.cpp (the `m3rt check` registry).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include "check/check_util.h"
+#include "core/cuda_check.h"
 #include "m3rt/m3rt.h"
 #include "ops/common/head_math.cuh"
 #include "ops/common/sm90.cuh"
@@ -54,6 +56,16 @@ __global__ void convert_kernel(const float* in, int64_t n, uint16_t* bf, uint16_
     hf[i] = *reinterpret_cast<const uint16_t*>(&h);
     e4[i] = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
   }
+}
+
+// Host only (runs without a GPU): the one-wave grid rule the writer's and the QK insert's launchers share.
+TEST(LaunchGrid, OneWaveGridFillsTheGpuOnceAndClamps) {
+  const dim3 a = detail::one_wave_grid(5, 1000, 660);  // 660 resident blocks over 5 columns
+  EXPECT_EQ(a.x, 5u);
+  EXPECT_EQ(a.y, 132u);
+  EXPECT_EQ(detail::one_wave_grid(5, 7, 660).y, 7u);        // fewer steps than a wave
+  EXPECT_EQ(detail::one_wave_grid(800, 1000, 660).y, 1u);   // more columns than resident blocks
+  EXPECT_EQ(detail::one_wave_grid(1, 1 << 20, 1 << 20).y, 65535u);  // the grid's y limit
 }
 
 TEST(Gpu, HostConversionsMatchDevice) {

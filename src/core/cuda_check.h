@@ -7,6 +7,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <string>
 
 #include "m3rt/error.h"
@@ -31,6 +32,15 @@ class DeviceGuard {
 // Multiprocessors of the current device (cached per device): kernels that walk their work in a
 // loop launch one wave, multiprocessors x resident blocks per SM.
 int multiprocessor_count();
+
+// The grid of a kernel whose blocks walk their work in a loop: x_blocks columns and, per column,
+// enough blocks to fill the GPU once (`resident` blocks fit at a time over all columns), no more
+// than there are `steps` of work, at most 65535.
+inline dim3 one_wave_grid(int x_blocks, int64_t steps, int64_t resident) {
+  const int64_t per_column = resident / x_blocks > 1 ? resident / x_blocks : 1;
+  const int64_t y = steps < per_column ? steps : per_column;
+  return dim3(unsigned(x_blocks), unsigned(y < 65535 ? y : 65535));
+}
 
 }  // namespace m3rt::detail
 

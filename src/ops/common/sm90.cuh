@@ -124,8 +124,8 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) { return sw128_des
   "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
 // d (+)= A B, wgmma m64nNk16 (N = 64 or 128): A = four 16-bit pair registers per thread (the
-// m16n8k16 A fragment of the thread's warp's 16 rows), B by descriptor; kF16 selects f16 over bf16 inputs; kTransB reads B
-// MN-major; kAccumulate false overwrites d.
+// m16n8k16 A fragment of the thread's warp's 16 rows), B by descriptor; kF16 selects f16 over bf16
+// inputs; kTransB reads B MN-major; kAccumulate false overwrites d.
 #define M3RT_WGMMA_BODY(N, REGS, A0, A1, A2, A3, ACCUM, DESC, TNSP, TYPE, ACC)                                   \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #ACCUM ", 0;\n"                                                 \
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " REGS ", {%" #A0 ", %" #A1        \

@@ -30,7 +30,6 @@ constexpr int kThreads = 256;
 constexpr int kMinBlocksPerSm = 4;
 constexpr int kStages = 3;  // the run being computed and two in flight (4 and 5 measured slower)
 constexpr int kTokensPerRun = kThreads / kernels::kLanesPerHead;  // one token per half-warp
-constexpr unsigned kMaxGridY = 65535;
 
 // One stage of the pipeline: a run's K and V rows (each lane's 16 bytes) and its indices.
 struct Stage {
@@ -276,18 +275,15 @@ void launch(const DsparkContextKvParams& p, cudaStream_t stream) {
   // computing the current), but no more than there are runs.
   const int pairs = p.num_layers * p.num_kv_heads;
   if (p.fp8 && p.num_ctx >= kQuadMinTokens) {
-    const int x_blocks = (pairs + kPairsPerWarp - 1) / kPairsPerWarp;
-    const int64_t steps = (p.num_ctx + kQuadWarps * 2 - 1) / (kQuadWarps * 2);
-    const int64_t waves = std::max<int64_t>(1, detail::multiprocessor_count() * kQuadBlocksPerSm / x_blocks);
-    const dim3 grid(unsigned(x_blocks), unsigned(std::min<int64_t>({steps, waves, kMaxGridY})));
+    const dim3 grid = detail::one_wave_grid((pairs + kPairsPerWarp - 1) / kPairsPerWarp,
+                                            (p.num_ctx + kQuadWarps * 2 - 1) / (kQuadWarps * 2),
+                                            int64_t(detail::multiprocessor_count()) * kQuadBlocksPerSm);
     dspark_context_kv_quad_kernel<kRotaryDim, kFp8><<<grid, kQuadThreads, 0, stream>>>(p);
     M3RT_LAUNCH_CHECK(stream, "dspark_context_kv_quad_kernel");
     return;
   }
-  const int resident = detail::multiprocessor_count() * kMinBlocksPerSm;
-  const int64_t runs = (p.num_ctx + kTokensPerRun - 1) / kTokensPerRun;
-  const int64_t waves = std::max<int64_t>(1, resident / pairs);
-  const dim3 grid(unsigned(pairs), unsigned(std::min<int64_t>({runs, waves, kMaxGridY})));
+  const dim3 grid = detail::one_wave_grid(pairs, (p.num_ctx + kTokensPerRun - 1) / kTokensPerRun,
+                                          int64_t(detail::multiprocessor_count()) * kMinBlocksPerSm);
   dspark_context_kv_kernel<kRotaryDim, kFp8><<<grid, kThreads, 0, stream>>>(p);
   M3RT_LAUNCH_CHECK(stream, "dspark_context_kv_kernel");
 }

@@ -38,7 +38,6 @@ namespace m3rt {
 namespace {
 
 constexpr int kStages = 3;  // the token (pair) being computed and two in flight
-constexpr unsigned kMaxGridY = 65535;
 // Token counts from which the quad kernel runs (H200: it wins at 448 and 1792 tokens, loses at 7
 // and 56; the crossover in between was not measured more finely).
 constexpr int64_t kQuadMinTokens = 256;
@@ -398,20 +397,19 @@ void launch(const QknormRopeKvInsertParams& p, cudaStream_t stream) {
   if (T >= kQuadMinTokens) {
     // One wave of blocks (each warp walks several tokens), no more than there are runs of 4 tokens:
     // on an H200 at T = 1792 one wave ran 20.8 us, two waves 23.8 us (docs/perf.md).
-    const int x_blocks = (items + kItemsPerQuadWarp - 1) / kItemsPerQuadWarp;
-    const int64_t runs = (T + kQuadWarps - 1) / kQuadWarps;
-    const int64_t waves = std::max<int64_t>(1, detail::multiprocessor_count() * kQuadBlocksPerSm / x_blocks);
-    const dim3 grid(unsigned(x_blocks), unsigned(std::min<int64_t>({runs, waves, kMaxGridY})));
+    const dim3 grid = detail::one_wave_grid((items + kItemsPerQuadWarp - 1) / kItemsPerQuadWarp,
+                                            (T + kQuadWarps - 1) / kQuadWarps,
+                                            int64_t(detail::multiprocessor_count()) * kQuadBlocksPerSm);
     qknorm_rope_quad_kernel<kRotaryDim, kInsert><<<grid, kQuadThreads, 0, stream>>>(p);
+    M3RT_LAUNCH_CHECK(stream, "qknorm_rope_quad_kernel");
   } else {
     // Enough blocks to fill the GPU once (each walks several steps), no more than there are steps.
-    const int x_blocks = (items + kItemsPerHalfBlock - 1) / kItemsPerHalfBlock;
-    const int64_t steps = (T + kTokensPerStep - 1) / kTokensPerStep;
-    const int64_t waves = std::max<int64_t>(1, detail::multiprocessor_count() * half_blocks_per_sm(kInsert) / x_blocks);
-    const dim3 grid(unsigned(x_blocks), unsigned(std::min<int64_t>({steps, waves, kMaxGridY})));
+    const dim3 grid = detail::one_wave_grid((items + kItemsPerHalfBlock - 1) / kItemsPerHalfBlock,
+                                            (T + kTokensPerStep - 1) / kTokensPerStep,
+                                            int64_t(detail::multiprocessor_count()) * half_blocks_per_sm(kInsert));
     qknorm_rope_half_kernel<kRotaryDim, kInsert><<<grid, kHalfThreads, 0, stream>>>(p);
+    M3RT_LAUNCH_CHECK(stream, "qknorm_rope_half_kernel");
   }
-  M3RT_LAUNCH_CHECK(stream, "qknorm_rope_kv_insert_kernel");
 }
 
 }  // namespace

@@ -32,6 +32,11 @@ class DeviceGuard {
 // loop launch one wave, multiprocessors x resident blocks per SM.
 int multiprocessor_count();
 
+// Raises kernel `fn`'s dynamic shared-memory limit on the current device to `smem` bytes when no
+// call before asked as much there (the limit is a per-device function attribute; calls may come
+// from several host threads, one per GPU). `fn`: a __global__ function's address.
+void raise_smem_limit(const void* fn, int smem);
+
 }  // namespace m3rt::detail
 
 #define M3RT_CUDA_CHECK(expr)                                                   \

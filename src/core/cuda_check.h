@@ -42,6 +42,11 @@ inline dim3 one_wave_grid(int x_blocks, int64_t steps, int64_t resident) {
   return dim3(unsigned(x_blocks), unsigned(y < 65535 ? y : 65535));
 }
 
+// Raises kernel `fn`'s dynamic shared-memory limit on the current device to `smem` bytes when no
+// call before asked as much there (the limit is a per-device function attribute; calls may come
+// from several host threads, one per GPU). `fn`: a __global__ function's address.
+void raise_smem_limit(const void* fn, int smem);
+
 }  // namespace m3rt::detail
 
 #define M3RT_CUDA_CHECK(expr)                                                   \

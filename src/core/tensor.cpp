@@ -1,10 +1,13 @@
 // Tensor views, owning tensors, the device queries and the sync-check switch.
 #include "m3rt/tensor.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <sstream>
+#include <vector>
 
 #include "m3rt/error.h"
 #include "m3rt/ops.h"
@@ -244,6 +247,26 @@ int multiprocessor_count() {
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   if (dev < 64) cache[dev] = sms;
   return sms;
+}
+
+void raise_smem_limit(const void* fn, int smem) {
+  int dev = 0;
+  M3RT_CUDA_CHECK(cudaGetDevice(&dev));
+  struct Raised {
+    int dev;
+    const void* fn;
+    int smem;
+  };
+  static std::mutex mu;
+  static std::vector<Raised> raised;
+  const std::lock_guard<std::mutex> lock(mu);
+  auto it = std::find_if(raised.begin(), raised.end(), [&](const Raised& r) { return r.dev == dev && r.fn == fn; });
+  if (it != raised.end() && it->smem >= smem) return;
+  M3RT_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  if (it == raised.end())
+    raised.push_back({dev, fn, smem});
+  else
+    it->smem = smem;
 }
 
 DeviceGuard::DeviceGuard(int device) {

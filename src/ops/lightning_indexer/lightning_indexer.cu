@@ -1012,16 +1012,12 @@ template <bool kFp8>
 void launch_prefill_score(const IndexerParams& p, cudaStream_t stream) {
   // Hopper: the wgmma kernel; other GPUs: the portable mma.sync kernel.
   const bool sm90 = !g_force_portable && kernels::hopper_paths_run();
-  static bool configured[2] = {false, false};  // the smem opt-ins, once per process
-  if (!configured[sm90]) {
-    if (sm90)
-      M3RT_CUDA_CHECK(cudaFuncSetAttribute(indexer_prefill_score_sm90_kernel<kFp8>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, sm90_smem_bytes<kFp8>()));
-    else
-      M3RT_CUDA_CHECK(cudaFuncSetAttribute(indexer_prefill_score_kernel<kFp8>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, prefill_smem_bytes<kFp8>()));
-    configured[sm90] = true;
-  }
+  if (sm90)
+    detail::raise_smem_limit(reinterpret_cast<const void*>(indexer_prefill_score_sm90_kernel<kFp8>),
+                             sm90_smem_bytes<kFp8>());
+  else
+    detail::raise_smem_limit(reinterpret_cast<const void*>(indexer_prefill_score_kernel<kFp8>),
+                             prefill_smem_bytes<kFp8>());
   const int rows = sm90 ? kSm90Rows : kPrefillRows;
   const int chunk_pages = sm90 ? sm90_chunk_pages(p.max_blocks) : kPrefillChunkPages;
   const int tokens_per_tile = rows / p.num_heads;
@@ -1085,12 +1081,7 @@ void indexer_decode_launch(const IndexerParams& p, CUstream_st* stream) {
   int per_sm = kDecodeMinBlocks;
   auto sm90_kernel = p.fp8 ? indexer_decode_sm90_kernel<true> : indexer_decode_sm90_kernel<false>;
   if (sm90) {
-    static bool configured[2] = {false, false};
-    if (!configured[p.fp8]) {
-      M3RT_CUDA_CHECK(cudaFuncSetAttribute(sm90_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           kDecodeStages * decode_sm90_page_bytes<false>() + kDecodeNTiles * 8 * 32 * 8));
-      configured[p.fp8] = true;
-    }
+    detail::raise_smem_limit(reinterpret_cast<const void*>(sm90_kernel), smem);
     M3RT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sm90_kernel, kDecodeThreads, smem));
     per_sm = std::max(per_sm, 1);
   }

@@ -1558,27 +1558,9 @@ bool use_wgmma(int rows) {
   return !switched_off("M3RT_MSA_WGMMA");
 }
 
-// Raises the kernels' dynamic shared memory limit (a per-device function attribute) when a call
-// needs more than any before on this device; calls may come from several host threads.
+// Both launch forms' dynamic shared memory limits (detail::raise_smem_limit: per device).
 void raise_smem_limit(std::initializer_list<KernelFn> fns, int smem) {
-  int dev = 0;
-  M3RT_CUDA_CHECK(cudaGetDevice(&dev));
-  struct Raised {
-    int dev;
-    KernelFn fn;
-    int smem;
-  };
-  static std::mutex mu;
-  static std::vector<Raised> raised;
-  const std::lock_guard<std::mutex> lock(mu);
-  for (KernelFn fn : fns) {
-    auto it = std::find_if(raised.begin(), raised.end(), [&](const Raised& r) { return r.dev == dev && r.fn == fn; });
-    if (it == raised.end() || it->smem < smem) {
-      M3RT_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      if (it == raised.end()) raised.push_back({dev, fn, smem});
-      else it->smem = smem;
-    }
-  }
+  for (KernelFn fn : fns) detail::raise_smem_limit(reinterpret_cast<const void*>(fn), smem);
 }
 
 KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, int64_t ctas) {

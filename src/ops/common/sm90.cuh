@@ -68,6 +68,21 @@ inline bool hopper_paths_run() {
                "l"(src), "r"(bytes), "r"(smem_u32(bar))
                : "memory");
 }
+// Global -> shared box of a 4-D tensor map (cp.async.bulk.tensor, the map's swizzle applied),
+// completing on `bar`; coordinates in elements, innermost first. `map`: the address of a
+// CUtensorMap in a __grid_constant__ kernel parameter.
+[[maybe_unused]] __device__ __forceinline__ void tma_load_4d(void* dst, const void* map, int c0, int c1, int c2, int c3,
+                                                             uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n" ::"r"(smem_u32(dst)),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar))
+      : "memory");
+}
+// mbarrier initializations visible to the async proxy (the copy engine) before its first copy.
+[[maybe_unused]] __device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
 // Programmatic dependent launch: wait until the grids this one depends on have completed and
 // their writes are visible (a no-op for a grid launched without the attribute), and let the next
 // grid on the stream, if launched with it, be scheduled. No-ops before sm_90.

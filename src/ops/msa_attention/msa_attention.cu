@@ -45,6 +45,7 @@
 //
 // Reference: msa_attention_ref.cpp; checks: check_msa_attention.cpp, tests/test_gpu.cu; bench:
 // bench_msa_attention.cu; design and numbers: README.md.
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cooperative_groups.h>
@@ -53,6 +54,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <initializer_list>
 #include <mutex>
 #include <string>
@@ -91,7 +93,7 @@ constexpr float kLn2 = 0.6931471805599453f;
 // (one plane per key part: KS x tiles <= 4, or 8 tiles of the 8-warp kernel, fit in it).
 struct SmemLayout {
   int stage_bytes, stages, rows, n_pad, u_cap;
-  int q_off, keys_off, uniq_off, tok_off, ml_off, misc_off, qf_off, total;
+  int q_off, keys_off, uniq_off, tok_off, ml_off, misc_off, qf_off, bar_off, total;
 };
 
 __host__ __device__ inline int next_pow2(int n) {
@@ -100,9 +102,10 @@ __host__ __device__ inline int next_pow2(int n) {
   return p;
 }
 
-// image_bytes: the e4m3 wgmma loop's converted chunks, after the stages.
+// image_bytes: the e4m3 wgmma loop's converted chunks, after the stages. bars: the mbarriers of
+// the copy-engine loop (two a stage), last.
 __host__ __device__ inline SmemLayout smem_layout(bool fp8, int stages, int group_tokens, int group_size, int topk,
-                                                  int max_blocks, int warps, int image_bytes = 0) {
+                                                  int max_blocks, int warps, int image_bytes = 0, int bars = 0) {
   SmemLayout l{};
   l.stage_bytes = kChunkKeys * (fp8 ? 256 : 512);
   l.stages = stages;
@@ -122,7 +125,8 @@ __host__ __device__ inline SmemLayout smem_layout(bool fp8, int stages, int grou
   // key-part (m, l) [warps][rows], merged (m, l) [rows], split weights [kMaxSplits][rows]
   l.misc_off = l.ml_off + warps * l.rows * 8 + l.rows * 8 + kMaxSplits * l.rows * 4;
   l.qf_off = l.misc_off + 64;                             // e4m3: per row, the f16 queries' factor
-  l.total = l.qf_off + (fp8 ? l.rows * 4 : 0);
+  l.bar_off = ((l.qf_off + (fp8 ? l.rows * 4 : 0) + 7) / 8) * 8;
+  l.total = l.bar_off + bars * 8;
   return l;
 }
 
@@ -763,6 +767,184 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
 #endif
 }
 
+// The bf16 wgmma loop on the copy engine (kTma). One thread fills the stages with tensor-map
+// boxes (fill(c, slot, bar): the chunk's four 64-key x 128-byte regions on the stage's `full`
+// barrier, or an arrival alone for a chunk no token of the group sees); the two warpgroups run
+// free of each other, paced by the stages' barriers only. Per chunk a warpgroup issues this
+// chunk's Q K^T and the previous chunk's P V as two commit groups, waits for the first, and runs
+// the mask, max and exponentials while the P V still runs; then it waits for that, releases the
+// previous chunk's stage (`empty`: one arrival a warp, 8 a stage), rescales O and forms P.
+// Chunk i's stage is i % stages, refilled with chunk i + stages by the fill D = stages - 2
+// iterations ahead once both warpgroups released it (its last P V ran in iteration i + 1).
+// A chunk with keys past seq_len has its V rows there zeroed (stale cache rows may hold anything,
+// and 0 x NaN would reach O) before either warpgroup reads it (a CTA barrier: at most one such
+// chunk a CTA, and the same iteration for every thread).
+template <class Fill>
+__device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], const int4* uniq, const char* q_s,
+                                              char* area, int stage_bytes, int stages, int c_begin, int c_end,
+                                              int rows, int G, const int (&row_token)[2], const int (&row_lo)[2],
+                                              const int (&row_hi)[2], float scale_log2, int seq_len,
+                                              uint64_t* bars, Fill&& fill) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace kernels;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, c = lane % 4, wg = warp / 4;
+  uint32_t wg_tokens = 0;  // the tokens of this warpgroup's rows
+  if (wg * 64 < rows) {
+    const int t0 = wg * 64 / G, t1 = min(wg * 64 + 63, rows - 1) / G;
+    wg_tokens = (t1 - t0 == 31 ? kFull : ((2u << (t1 - t0)) - 1)) << t0;
+  }
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  const int n = c_end - c_begin, D = stages - 2;
+  uint64_t* full = bars;
+  uint64_t* empty = bars + stages;
+  if (tid == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 8);  // a warp of each warpgroup
+    }
+    fence_mbarrier_init();
+  }
+  fence_proxy_async();  // the prologue's shared-memory accesses to the stage area, before the copies
+  cp_async_wait<0>();   // the queries
+  __syncthreads();
+  if (tid == 0)
+    for (int j = 0; j < min(D, n); ++j) fill(c_begin + j, j, &full[j]);
+  uint32_t qa[8][4];  // Q's A fragments, as wg_chunks
+#pragma unroll
+  for (int rs = 0; rs < 2; ++rs) {
+    const int row = warp * 16 + lane / 4 + 8 * rs;
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks)
+#pragma unroll
+      for (int kh = 0; kh < 2; ++kh) qa[ks][rs + 2 * kh] = lds32(q_s + row * 256 + (((2 * ks + kh) ^ swz_bf16(row)) * 16) + 4 * c);
+  }
+  uint32_t ph[4][4], pl[4][4];  // the previous chunk's P (value and residue)
+  uint32_t sa_prev = 0;
+  bool have_p = false;
+  auto pv = [&] {  // O += P V of the previous chunk (value and residue)
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const uint64_t desc = sw128_desc(sa_prev + 2 * (kChunkKeys * 128) + t * 2048, kWgVLeading, kWgVStride);
+      wgmma_m64k16<128, false, true>(o, ph[t], desc);
+      wgmma_m64k16<128, false, true>(o, pl[t], desc);
+    }
+  };
+  // Chunk i's stage and the parity of its use; the fill's (chunk i + D) the same, one use behind.
+  int slot = 0, phase = 0, fslot = D, fphase = 1;
+  for (int i = 0; i < n; ++i) {
+    const int cc = c_begin + i;
+    if (tid == 0 && i + D < n) {
+      if (i + D >= stages) mbar_wait(&empty[fslot], fphase);
+      fill(c_begin + i + D, fslot, &full[fslot]);
+    }
+    if (++fslot == stages) fslot = 0, fphase ^= 1;
+    const int4 u = uniq[cc >> 1];  // {id, page, mask of half 0, mask of half 1}
+    const uint32_t mask = uint32_t(cc & 1 ? u.w : u.z);
+    const bool mine = (mask & wg_tokens) != 0;
+    const uint32_t sa = smem_u32(area + slot * stage_bytes);
+    const int chunk_pos = u.x * kPage + (cc & 1) * kChunkKeys;
+    mbar_wait(&full[slot], phase);
+    if (mask != 0 && seq_len - chunk_pos < kChunkKeys) {  // uniform over the CTA
+      const int valid = seq_len - chunk_pos, pieces = (kChunkKeys - valid) * 16;  // V rows x 16-byte pieces
+      char* stage = area + slot * stage_bytes;
+      for (int k = tid; k < pieces; k += 256) {
+        const int r = valid + k / 16, pc = k % 16;
+        *reinterpret_cast<uint4*>(stage + (2 + pc / 8) * (kChunkKeys * 128) + r * 128 + (pc % 8) * 16) =
+            make_uint4(0, 0, 0, 0);
+      }
+      fence_proxy_async();  // the zeros, visible to the tensor cores
+      __syncthreads();
+    }
+    float s[32];
+    auto qk = [&] {
+      wgmma_m64k16<64, false, false, false>(s, qa[0], sw128_desc(sa));
+#pragma unroll
+      for (int ks = 1; ks < 8; ++ks)
+        wgmma_m64k16<64, false>(s, qa[ks], sw128_desc(sa + (ks / 4) * (kChunkKeys * 128) + (ks % 4) * 32));
+    };
+    const int prev_slot = slot == 0 ? stages - 1 : slot - 1;
+    const int this_slot = slot;
+    if (++slot == stages) slot = 0, phase ^= 1;
+    if (!mine) {
+      if (have_p) {
+        wgmma_fence();
+        pv();
+        wgmma_commit();
+      }
+      wgmma_wait<0>();
+      if (lane == 0) {
+        if (have_p) mbar_arrive(&empty[prev_slot]);  // the previous chunk's stage
+        mbar_arrive(&empty[this_slot]);
+      }
+      have_p = false;
+      continue;
+    }
+    // This chunk's Q K^T, then (a second commit group, empty without one) the previous chunk's
+    // P V, which runs under this chunk's softmax until o is rescaled.
+    if (have_p) {
+      wgmma_fence();
+      qk();
+      wgmma_commit();
+      pv();
+      wgmma_commit();
+    } else {
+      wgmma_fence();
+      qk();
+      wgmma_commit();
+      wgmma_commit();
+    }
+    wgmma_wait<1>();  // this chunk's S
+    int lo[2], hi[2];
+    chunk_row_ranges(mask, chunk_pos, row_token, row_lo, row_hi, lo, hi);
+    const bool all_visible = lo[0] == 0 && hi[0] == kChunkKeys && lo[1] == 0 && hi[1] == kChunkKeys;
+    float mx[2] = {-INFINITY, -INFINITY};
+    if (all_visible) {
+#pragma unroll
+      for (int k = 0; k < 32; ++k) mx[(k >> 1) & 1] = fmaxf(mx[(k >> 1) & 1], s[k]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 32; ++k) {
+        const int rs = (k >> 1) & 1, key = 8 * (k >> 2) + 2 * c + (k & 1);
+        if (unsigned(key - lo[rs]) >= unsigned(hi[rs] - lo[rs])) s[k] = -INFINITY;
+        mx[rs] = fmaxf(mx[rs], s[k]);
+      }
+    }
+    float alpha[2], m_sub[2];
+    advance_max(st.m, mx, scale_log2, alpha, m_sub);
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+      const int rs = (k >> 1) & 1;
+      s[k] = exp2_ftz(fmaf(s[k], scale_log2, -m_sub[rs]));
+      sum[rs] += s[k];
+    }
+    wgmma_wait<0>();  // the previous chunk's P V: o may be rescaled, its stage refilled
+    if (lane == 0 && have_p) mbar_arrive(&empty[prev_slot]);
+    have_p = true;
+#pragma unroll
+    for (int rs = 0; rs < 2; ++rs) st.l[rs] = st.l[rs] * alpha[rs] + sum[rs];
+    if (alpha[0] != 1.f || alpha[1] != 1.f) {
+#pragma unroll
+      for (int k = 0; k < 64; ++k) o[k] *= alpha[(k >> 1) & 1];
+    }
+#pragma unroll
+    for (int t = 0; t < 4; ++t)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) split2<false>(s[8 * t + 2 * q], s[8 * t + 2 * q + 1], ph[t][q], pl[t][q]);
+    sa_prev = sa;
+  }
+  if (have_p) {  // the last chunk's P V
+    wgmma_fence();
+    pv();
+    wgmma_commit();
+  }
+  wgmma_wait<0>();
+#elif defined(__CUDA_ARCH__)
+  __trap();  // launched only by sm_90a builds on sm_90 devices (kernel_config)
+#endif
+}
+
 // The split merge through global memory (split decode without clusters): each split stores its
 // rows' (m, l) and weighted output (summed(row, col)) in the plan's scratch, the last to arrive
 // (a per-(group, KV head) counter that it resets) merges them in split order and writes the rows
@@ -856,13 +1038,15 @@ __device__ __forceinline__ void store_row(const MsaParams& p, int64_t t, int h, 
 // kWarps: 4 (two CTAs per SM) for groups of at most 64 rows, else 8 (one 16-row tile per warp).
 // kCluster: launched as clusters of the splits, which merge through DSMEM (split decode on sm_90+).
 // kWg (sm_90a, 8 warps): the loop over chunks on wgmma, two warpgroups of 64 rows (wg_chunks);
-// everything before and after it is the same code.
-template <bool kFp8, int kWarps, bool kCluster, bool kWg = false>
+// kTma (with kWg, bf16): that loop fed by the copy engine, the warpgroups taking turns
+// (wg_chunks_tma). Everything before and after the loop is the same code.
+template <bool kFp8, int kWarps, bool kCluster, bool kWg = false, bool kTma = false>
 __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
     msa_sparse_kernel(const __grid_constant__ MsaParams p, int stages) {
   kernels::grid_dependency_wait();  // launched with PDL (p.pdl): nothing is read before this
   constexpr int kThreads = kWarps * 32;
   static_assert(!kWg || kWarps == 8, "the wgmma loop runs on two warpgroups");
+  static_assert(!kTma || (kWg && !kFp8), "the copy-engine loop holds bf16 chunks");
   extern __shared__ __align__(128) char smem_raw[];
   // The wgmma instances' stages start on a 1024-byte boundary (the swizzle atom): their shared
   // memory has 1024 bytes of slack for it.
@@ -870,7 +1054,8 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
   const int G = p.num_heads / p.num_kv_heads;
   const int tg = msa_group_tokens(G, p.decode_query_len);
   const SmemLayout L =
-      smem_layout(kFp8, stages, tg, G, p.topk_k, p.max_blocks, kWarps, kWg && kFp8 ? kWgImages * kWgImageBytes : 0);
+      smem_layout(kFp8, stages, tg, G, p.topk_k, p.max_blocks, kWarps, kWg && kFp8 ? kWgImages * kWgImageBytes : 0,
+                  kTma ? 2 * stages : 0);
   char* area = smem;
   char* q_s = smem + L.q_off;
   uint64_t* keys = reinterpret_cast<uint64_t*>(smem + L.keys_off);
@@ -1086,7 +1271,25 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
     row_scale.y = scale_log2 * (r0 + 8 < rows ? q_factor[r0 + 8] : 1.f);
   }
   float wo[kWg ? 64 : 1];  // the wgmma loop's O accumulator (rows g, g + 8; dims 8 i + 2 c + e)
-  if constexpr (kWg) {
+  if constexpr (kTma) {
+    // A chunk: four 64-key x 64-dim boxes (K 0-63, K 64-127, V 0-63, V 64-127) of the cache's
+    // tensor map {dim, key, KV head, page}, each one 128-byte-swizzled region of the stage.
+    auto fill = [&](int c, int slot, uint64_t* bar) {
+      if (chunk_mask(uniq, c) == 0) {
+        kernels::mbar_arrive(bar);
+        return;
+      }
+      const int4 u = uniq[c >> 1];
+      char* dst = area + slot * L.stage_bytes;
+      kernels::mbar_arrive_expect_tx(bar, uint32_t(L.stage_bytes));
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        kernels::tma_load_4d(dst + r * (kChunkKeys * 128), p.cache_map, 64 * r, (c & 1) * kChunkKeys, kv_head, u.y,
+                             bar);
+    };
+    wg_chunks_tma(st, wo, uniq, q_s, area, L.stage_bytes, stages, c_begin, c_end, rows, G, row_token, row_lo, row_hi,
+                  scale_log2, gr.seq_len, reinterpret_cast<uint64_t*>(smem + L.bar_off), fill);
+  } else if constexpr (kWg) {
     wg_chunks<kFp8>(st, wo, uniq, q_s, area, L.stage_bytes, stages, c_begin, c_end, rows, G, row_token, row_lo,
                     row_hi, scale_log2, row_scale, issue);
   } else {
@@ -1563,7 +1766,39 @@ void raise_smem_limit(std::initializer_list<KernelFn> fns, int smem) {
   for (KernelFn fn : fns) detail::raise_smem_limit(reinterpret_cast<const void*>(fn), smem);
 }
 
-KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, int64_t ctas) {
+// The bf16 cache [num_cache_blocks, Hkv, 128, 256] as a tensor map {dim, key, KV head, page} with
+// 64 x 64 boxes (64 dims of 64 keys: one 128-byte-swizzled region of a wgmma stage), written into
+// p.cache_map; false when the driver has no encoder or refuses the shape (then the cp.async wgmma
+// loop runs). Host arithmetic only: no device call, no sync.
+bool encode_cache_map(MsaParams& p) {
+  static_assert(sizeof(CUtensorMap) == sizeof(p.cache_map) && alignof(CUtensorMap) <= alignof(MsaParams),
+                "CUtensorMap size");
+  using Encode = decltype(&cuTensorMapEncodeTiled);
+  static const Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    (void)cudaGetLastError();
+    return reinterpret_cast<Encode>(fn);
+  }();
+  if (encode == nullptr || p.num_cache_blocks <= 0 || p.num_cache_blocks > 0x7fffffff) return false;
+  const cuuint64_t dims[4] = {256, cuuint64_t(kPage), cuuint64_t(p.num_kv_heads), cuuint64_t(p.num_cache_blocks)};
+  const cuuint64_t strides[3] = {512, cuuint64_t(kPage) * 512, cuuint64_t(p.num_kv_heads) * kPage * 512};  // bytes
+  const cuuint32_t box[4] = {64, cuuint32_t(kChunkKeys), 1, 1}, unit[4] = {1, 1, 1, 1};
+  CUtensorMap map;
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(p.cache), dims, strides, box,
+                            unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) return false;
+  std::memcpy(p.cache_map, &map, sizeof(map));
+  return true;
+}
+
+// tma: the bf16 wgmma loop on the copy engine (p.cache_map encoded).
+KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, int64_t ctas, bool tma) {
   int dev = 0, per_sm = 0, optin = 0;
   M3RT_CUDA_CHECK(cudaGetDevice(&dev));
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
@@ -1572,7 +1807,11 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
   const bool wg = use_wgmma(msa_group_rows(G, tg));
   const int warps = lone ? 8 : 4;
   KernelConfig cfg{};
-  if (wg) {
+  tma = tma && wg && !fp8;
+  if (tma) {
+    cfg.fn = msa_sparse_kernel<false, 8, false, true, true>;
+    cfg.cluster_fn = msa_sparse_kernel<false, 8, true, true, true>;
+  } else if (wg) {
     cfg.fn = fp8 ? msa_sparse_kernel<true, 8, false, true> : msa_sparse_kernel<false, 8, false, true>;
     cfg.cluster_fn = fp8 ? msa_sparse_kernel<true, 8, true, true> : msa_sparse_kernel<false, 8, true, true>;
   } else if (fp8) {
@@ -1584,7 +1823,7 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
   }
   cfg.threads = warps * 32;
   const int images = wg && fp8 ? kWgImages * kWgImageBytes : 0;
-  const SmemLayout base = smem_layout(fp8, 0, tg, G, topk, max_blocks, warps, images);
+  const SmemLayout base = smem_layout(fp8, 0, tg, G, topk, max_blocks, warps, images, tma ? 2 * 8 : 0);
   const int slack = wg ? 1024 : 0;  // wgmma: the stages' 1024-byte alignment
   const int fixed = base.total - base.q_off + slack + images;
   int stages = ((lone ? optin : per_sm / 2 - 1024) - fixed) / base.stage_bytes;
@@ -1594,7 +1833,7 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
     throw Error("msa_attention: a group of " + std::to_string(tg) + " tokens x topk " + std::to_string(topk) +
                 " needs more shared memory than this GPU has");
   cfg.stages = std::min(stages, 8);
-  cfg.smem = smem_layout(fp8, cfg.stages, tg, G, topk, max_blocks, warps, images).total + slack;
+  cfg.smem = smem_layout(fp8, cfg.stages, tg, G, topk, max_blocks, warps, images, tma ? 2 * cfg.stages : 0).total + slack;
   raise_smem_limit({cfg.fn, cfg.cluster_fn}, cfg.smem);
   return cfg;
 }
@@ -1715,14 +1954,18 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   if (splits > kMaxSplits || (splits > 1 && (p.part_o == nullptr || p.part_ml == nullptr || p.counters == nullptr)))
     throw Error("msa_attention: split decode without its scratch (internal)");
   const bool d1 = !p.cu_seqlens_q && use_decode1(p.decode_query_len);
-  const KernelConfig cfg =
-      d1 ? decode1_config(p.fp8) : kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, groups * p.num_kv_heads * splits);
+  MsaParams call = p;
+  // bf16 groups on the wgmma loop take its copy-engine form (M3RT_MSA_WG_TMA=0: the cp.async
+  // form, for benchmarks).
+  const bool tma = !d1 && !p.fp8 && use_wgmma(msa_group_rows(G, tg)) && !switched_off("M3RT_MSA_WG_TMA") &&
+                   encode_cache_map(call);
+  const KernelConfig cfg = d1 ? decode1_config(p.fp8)
+                              : kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, groups * p.num_kv_heads * splits, tma);
   const dim3 grid(unsigned(groups), unsigned(p.num_kv_heads), unsigned(splits));
   // Split decode on Hopper: each group's splits form one cluster and merge through DSMEM. PDL only
   // where the kernels carry their griddepcontrol.wait (sm_90 code on a Hopper GPU).
   const bool cluster = splits > 1 && cluster_merge_fits(cfg, grid, splits);
   const bool pdl = p.pdl && kernels::hopper_paths_run();
-  MsaParams call = p;
   // msa_decode1_kernel lets the next PDL grid launch after its chunk loop when that grid's waiting
   // CTAs cannot crowd SMs unevenly: when they all fit in the free slots beside this grid, or when
   // there are (almost) none. Between those (H200, e4m3 batch 32: 256 CTAs in 396 slots) they took

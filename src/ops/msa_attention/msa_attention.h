@@ -54,6 +54,9 @@ struct MsaParams {
                                 // whose splits merge through DSMEM)
   bool pdl;                     // launch as a programmatic dependent (MsaDecodeArgs::enable_pdl)
   bool pdl_trigger;             // set by the launcher: let the next PDL grid launch after the loop
+  // Set by the launcher, never by callers: the bf16 cache as a CUDA tensor map (an opaque
+  // CUtensorMap) for the bulk tensor copies of the Hopper wgmma loop.
+  alignas(128) unsigned char cache_map[128];
 };
 
 // The tensor-core kernel's geometry (shared by the plan, which sizes the split scratch, and the

@@ -1959,12 +1959,20 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   // form, for benchmarks).
   const bool tma = !d1 && !p.fp8 && use_wgmma(msa_group_rows(G, tg)) && !switched_off("M3RT_MSA_WG_TMA") &&
                    encode_cache_map(call);
-  const KernelConfig cfg = d1 ? decode1_config(p.fp8)
-                              : kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, groups * p.num_kv_heads * splits, tma);
+  const int64_t ctas = groups * p.num_kv_heads * splits;
+  KernelConfig cfg = d1 ? decode1_config(p.fp8) : kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, ctas, tma);
   const dim3 grid(unsigned(groups), unsigned(p.num_kv_heads), unsigned(splits));
   // Split decode on Hopper: each group's splits form one cluster and merge through DSMEM. PDL only
   // where the kernels carry their griddepcontrol.wait (sm_90 code on a Hopper GPU).
-  const bool cluster = splits > 1 && cluster_merge_fits(cfg, grid, splits);
+  bool cluster = splits > 1 && cluster_merge_fits(cfg, grid, splits);
+  // Splits that merge through global memory keep the cp.async loop: the copy-engine instance ran
+  // those launches slower (H200, c22c943, the drafter's 112-row blocks: batch 8, 4 splits, 64.8 vs
+  // 63.3 us; batch 1, 16 splits, 53.6 vs 41.7 us), while it won unsplit (verify, prefill: 1.22-1.32x)
+  // and cluster-merged launches (batch 1, 16 splits: 21.6 vs 22.6 us).
+  if (tma && splits > 1 && !cluster) {
+    cfg = kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, ctas, false);
+    cluster = cluster_merge_fits(cfg, grid, splits);
+  }
   const bool pdl = p.pdl && kernels::hopper_paths_run();
   // msa_decode1_kernel lets the next PDL grid launch after its chunk loop when that grid's waiting
   // CTAs cannot crowd SMs unevenly: when they all fit in the free slots beside this grid, or when

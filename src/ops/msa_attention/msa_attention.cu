@@ -629,6 +629,73 @@ __device__ __forceinline__ void wg_convert_e4m3(const char* raw, char* image) {
   }
 }
 
+// Pieces of both wgmma loops (wg_chunks, wg_chunks_tma). The tokens of warpgroup wg's rows.
+[[maybe_unused]] __device__ __forceinline__ uint32_t wg_token_mask(int wg, int rows, int G) {
+  if (wg * 64 >= rows) return 0u;
+  const int t0 = wg * 64 / G, t1 = min(wg * 64 + 63, rows - 1) / G;
+  return (t1 - t0 == 31 ? kFull : ((2u << (t1 - t0)) - 1)) << t0;
+}
+// Q's A fragments: qa[s] = {(row g, dims 16 s + 2 c ..), (row g + 8, ..), (row g, 16 s + 8 + 2 c ..), (row g + 8, ..)}.
+[[maybe_unused]] __device__ __forceinline__ void wg_load_q(uint32_t (&qa)[8][4], const char* q_s, int warp, int lane) {
+#pragma unroll
+  for (int rs = 0; rs < 2; ++rs) {
+    const int row = warp * 16 + lane / 4 + 8 * rs;
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks)
+#pragma unroll
+      for (int kh = 0; kh < 2; ++kh)
+        qa[ks][rs + 2 * kh] = lds32(q_s + row * 256 + (((2 * ks + kh) ^ swz_bf16(row)) * 16) + 4 * (lane % 4));
+  }
+}
+// A chunk's S (64 keys of rows g, g + 8): e4m3 scaled per row first; keys outside a row's
+// [lo, hi) masked unless all_visible; mx = the rows' maxima over this lane's keys.
+template <bool kFp8>
+__device__ __forceinline__ void wg_mask_max(float (&s)[32], bool all_visible, const int (&lo)[2], const int (&hi)[2],
+                                            int c, float2 row_scale, float (&mx)[2]) {
+  mx[0] = mx[1] = -INFINITY;
+  if (all_visible) {
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+      if constexpr (kFp8) s[k] *= (k >> 1) & 1 ? row_scale.y : row_scale.x;
+      mx[(k >> 1) & 1] = fmaxf(mx[(k >> 1) & 1], s[k]);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+      const int rs = (k >> 1) & 1, key = 8 * (k >> 2) + 2 * c + (k & 1);
+      if constexpr (kFp8) s[k] *= rs ? row_scale.y : row_scale.x;
+      if (unsigned(key - lo[rs]) >= unsigned(hi[rs] - lo[rs])) s[k] = -INFINITY;
+      mx[rs] = fmaxf(mx[rs], s[k]);
+    }
+  }
+}
+// The weights 2^(s sc - m_sub) in place and their sums per row.
+[[maybe_unused]] __device__ __forceinline__ void wg_exp_sum(float (&s)[32], float sc, const float (&m_sub)[2], float (&sum)[2]) {
+  sum[0] = sum[1] = 0.f;
+#pragma unroll
+  for (int k = 0; k < 32; ++k) {
+    const int rs = (k >> 1) & 1;
+    s[k] = exp2_ftz(fmaf(s[k], sc, -m_sub[rs]));
+    sum[rs] += s[k];
+  }
+}
+// O and l by alpha (O only when a row's max moved), then P's A fragments per 16-key step.
+template <bool kF16>
+__device__ __forceinline__ void wg_rescale_form_p(TileState& st, float (&o)[64], const float (&s)[32],
+                                                  const float (&alpha)[2], const float (&sum)[2],
+                                                  uint32_t (&ph)[4][4], uint32_t (&pl)[4][4]) {
+#pragma unroll
+  for (int rs = 0; rs < 2; ++rs) st.l[rs] = st.l[rs] * alpha[rs] + sum[rs];
+  if (alpha[0] != 1.f || alpha[1] != 1.f) {
+#pragma unroll
+    for (int k = 0; k < 64; ++k) o[k] *= alpha[(k >> 1) & 1];
+  }
+#pragma unroll
+  for (int t = 0; t < 4; ++t)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) split2<kF16>(s[8 * t + 2 * q], s[8 * t + 2 * q + 1], ph[t][q], pl[t][q]);
+}
+
 template <bool kFp8, class Issue>
 __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const int4* uniq, const char* q_s,
                                           char* area, int stage_bytes, int stages, int c_begin, int c_end,
@@ -638,12 +705,8 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace kernels;
   constexpr int kThreads = 256;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4, wg = warp / 4;
-  uint32_t wg_tokens = 0;  // the tokens of this warpgroup's rows
-  if (wg * 64 < rows) {
-    const int t0 = wg * 64 / G, t1 = min(wg * 64 + 63, rows - 1) / G;
-    wg_tokens = (t1 - t0 == 31 ? kFull : ((2u << (t1 - t0)) - 1)) << t0;
-  }
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, c = lane % 4, wg = warp / 4;
+  const uint32_t wg_tokens = wg_token_mask(wg, rows, G);
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
   const int n = c_end - c_begin;
@@ -659,16 +722,8 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
     if (n > 0) wg_convert_e4m3<kThreads>(area, images);
     fence_proxy_async();  // this thread's image writes, visible to the tensor cores
   }
-  // A fragments of Q: qa[s] = {(row g, dims 16 s + 2 c ..), (row g + 8, ..), (row g, 16 s + 8 + 2 c ..), (row g + 8, ..)}.
   uint32_t qa[8][4];
-#pragma unroll
-  for (int rs = 0; rs < 2; ++rs) {
-    const int row = warp * 16 + g + 8 * rs;
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks)
-#pragma unroll
-      for (int kh = 0; kh < 2; ++kh) qa[ks][rs + 2 * kh] = lds32(q_s + row * 256 + (((2 * ks + kh) ^ swz_bf16(row)) * 16) + 4 * c);
-  }
+  wg_load_q(qa, q_s, warp, lane);
   for (int cc = c_begin; cc < c_end; ++cc) {
     const int i = cc - c_begin;
     uint32_t sa;  // the chunk's image
@@ -706,42 +761,12 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
       // the max is taken before scaling and the scale folds into the exponent's FMA; e4m3 (the
       // scale includes the k descale, read on the device) scales first.
       const float sc = kFp8 ? 1.f : scale_log2;
-      float mx[2] = {-INFINITY, -INFINITY};
-      if (all_visible) {
-#pragma unroll
-        for (int k = 0; k < 32; ++k) {
-          if constexpr (kFp8) s[k] *= (k >> 1) & 1 ? row_scale.y : row_scale.x;
-          mx[(k >> 1) & 1] = fmaxf(mx[(k >> 1) & 1], s[k]);
-        }
-      } else {
-#pragma unroll
-        for (int k = 0; k < 32; ++k) {
-          const int rs = (k >> 1) & 1, key = 8 * (k >> 2) + 2 * c + (k & 1);
-          if constexpr (kFp8) s[k] *= rs ? row_scale.y : row_scale.x;
-          if (unsigned(key - lo[rs]) >= unsigned(hi[rs] - lo[rs])) s[k] = -INFINITY;
-          mx[rs] = fmaxf(mx[rs], s[k]);
-        }
-      }
-      float alpha[2], m_sub[2];
+      float mx[2], alpha[2], m_sub[2], sum[2];
+      wg_mask_max<kFp8>(s, all_visible, lo, hi, c, row_scale, mx);
       advance_max(st.m, mx, sc, alpha, m_sub);
-      float sum[2] = {0.f, 0.f};
-#pragma unroll
-      for (int k = 0; k < 32; ++k) {
-        const int rs = (k >> 1) & 1;
-        s[k] = exp2_ftz(fmaf(s[k], sc, -m_sub[rs]));
-        sum[rs] += s[k];
-      }
-#pragma unroll
-      for (int rs = 0; rs < 2; ++rs) st.l[rs] = st.l[rs] * alpha[rs] + sum[rs];
-      if (alpha[0] != 1.f || alpha[1] != 1.f) {
-#pragma unroll
-        for (int k = 0; k < 64; ++k) o[k] *= alpha[(k >> 1) & 1];
-      }
+      wg_exp_sum(s, sc, m_sub, sum);
       uint32_t ph[4][4], pl[4][4];  // P's A fragments per 16-key step: value and residue
-#pragma unroll
-      for (int t = 0; t < 4; ++t)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) split2<kFp8>(s[8 * t + 2 * q], s[8 * t + 2 * q + 1], ph[t][q], pl[t][q]);
+      wg_rescale_form_p<kFp8>(st, o, s, alpha, sum, ph, pl);
       wgmma_fence();
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
@@ -788,11 +813,7 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace kernels;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, c = lane % 4, wg = warp / 4;
-  uint32_t wg_tokens = 0;  // the tokens of this warpgroup's rows
-  if (wg * 64 < rows) {
-    const int t0 = wg * 64 / G, t1 = min(wg * 64 + 63, rows - 1) / G;
-    wg_tokens = (t1 - t0 == 31 ? kFull : ((2u << (t1 - t0)) - 1)) << t0;
-  }
+  const uint32_t wg_tokens = wg_token_mask(wg, rows, G);
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
   const int n = c_end - c_begin, D = stages - 2;
@@ -810,15 +831,8 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
   __syncthreads();
   if (tid == 0)
     for (int j = 0; j < min(D, n); ++j) fill(c_begin + j, j, &full[j]);
-  uint32_t qa[8][4];  // Q's A fragments, as wg_chunks
-#pragma unroll
-  for (int rs = 0; rs < 2; ++rs) {
-    const int row = warp * 16 + lane / 4 + 8 * rs;
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks)
-#pragma unroll
-      for (int kh = 0; kh < 2; ++kh) qa[ks][rs + 2 * kh] = lds32(q_s + row * 256 + (((2 * ks + kh) ^ swz_bf16(row)) * 16) + 4 * c);
-  }
+  uint32_t qa[8][4];
+  wg_load_q(qa, q_s, warp, lane);
   uint32_t ph[4][4], pl[4][4];  // the previous chunk's P (value and residue)
   uint32_t sa_prev = 0;
   bool have_p = false;
@@ -898,40 +912,14 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
     int lo[2], hi[2];
     chunk_row_ranges(mask, chunk_pos, row_token, row_lo, row_hi, lo, hi);
     const bool all_visible = lo[0] == 0 && hi[0] == kChunkKeys && lo[1] == 0 && hi[1] == kChunkKeys;
-    float mx[2] = {-INFINITY, -INFINITY};
-    if (all_visible) {
-#pragma unroll
-      for (int k = 0; k < 32; ++k) mx[(k >> 1) & 1] = fmaxf(mx[(k >> 1) & 1], s[k]);
-    } else {
-#pragma unroll
-      for (int k = 0; k < 32; ++k) {
-        const int rs = (k >> 1) & 1, key = 8 * (k >> 2) + 2 * c + (k & 1);
-        if (unsigned(key - lo[rs]) >= unsigned(hi[rs] - lo[rs])) s[k] = -INFINITY;
-        mx[rs] = fmaxf(mx[rs], s[k]);
-      }
-    }
-    float alpha[2], m_sub[2];
+    float mx[2], alpha[2], m_sub[2], sum[2];
+    wg_mask_max<false>(s, all_visible, lo, hi, c, float2{}, mx);
     advance_max(st.m, mx, scale_log2, alpha, m_sub);
-    float sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int k = 0; k < 32; ++k) {
-      const int rs = (k >> 1) & 1;
-      s[k] = exp2_ftz(fmaf(s[k], scale_log2, -m_sub[rs]));
-      sum[rs] += s[k];
-    }
+    wg_exp_sum(s, scale_log2, m_sub, sum);
     wgmma_wait<0>();  // the previous chunk's P V: o may be rescaled, its stage refilled
     if (lane == 0 && have_p) mbar_arrive(&empty[prev_slot]);
     have_p = true;
-#pragma unroll
-    for (int rs = 0; rs < 2; ++rs) st.l[rs] = st.l[rs] * alpha[rs] + sum[rs];
-    if (alpha[0] != 1.f || alpha[1] != 1.f) {
-#pragma unroll
-      for (int k = 0; k < 64; ++k) o[k] *= alpha[(k >> 1) & 1];
-    }
-#pragma unroll
-    for (int t = 0; t < 4; ++t)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) split2<false>(s[8 * t + 2 * q], s[8 * t + 2 * q + 1], ph[t][q], pl[t][q]);
+    wg_rescale_form_p<false>(st, o, s, alpha, sum, ph, pl);
     sa_prev = sa;
   }
   if (have_p) {  // the last chunk's P V

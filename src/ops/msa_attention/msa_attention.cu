@@ -25,7 +25,8 @@
 //     its 16-bit residue (bf16 for bf16 V; f16 and exact f16 V for e4m3). Tiles whose tokens did not
 //     select the chunk are skipped.
 //     On sm_90, groups of more than 64 rows run this step on wgmma instead: two warpgroups of 64
-//     rows, the chunk in the 128-byte swizzle both operands read (wg_chunks, the kWg instances).
+//     rows, the chunk in the 128-byte swizzle both operands read (wg_chunks, the kWg instances);
+//     bf16 chunks there come by tensor-map copies, paced by mbarriers (wg_chunks_tma, kTma).
 //  5. Key parts merge through shared memory in a fixed order; the group's (O, max, sum) either
 //     becomes the output (one split) or a partial in the plan's scratch, and the last split to
 //     arrive (a per-(group, KV head) counter that it resets) merges the splits in split order; on
@@ -822,7 +823,7 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
   if (tid == 0) {
     for (int s = 0; s < stages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 8);  // a warp of each warpgroup
+      mbar_init(&empty[s], 8);  // every warp of both warpgroups
     }
     fence_mbarrier_init();
   }
@@ -1026,7 +1027,7 @@ __device__ __forceinline__ void store_row(const MsaParams& p, int64_t t, int h, 
 // kWarps: 4 (two CTAs per SM) for groups of at most 64 rows, else 8 (one 16-row tile per warp).
 // kCluster: launched as clusters of the splits, which merge through DSMEM (split decode on sm_90+).
 // kWg (sm_90a, 8 warps): the loop over chunks on wgmma, two warpgroups of 64 rows (wg_chunks);
-// kTma (with kWg, bf16): that loop fed by the copy engine, the warpgroups taking turns
+// kTma (with kWg, bf16): that loop fed by the copy engine, the warpgroups free of each other
 // (wg_chunks_tma). Everything before and after the loop is the same code.
 template <bool kFp8, int kWarps, bool kCluster, bool kWg = false, bool kTma = false>
 __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)

@@ -274,13 +274,15 @@ void launch(const DsparkContextKvParams& p, cudaStream_t stream) {
   // Enough blocks to fill the GPU once (each then walks several runs, prefetching the next while
   // computing the current), but no more than there are runs.
   const int pairs = p.num_layers * p.num_kv_heads;
-  if (p.fp8 && p.num_ctx >= kQuadMinTokens) {
-    const dim3 grid = detail::one_wave_grid((pairs + kPairsPerWarp - 1) / kPairsPerWarp,
-                                            (p.num_ctx + kQuadWarps * 2 - 1) / (kQuadWarps * 2),
-                                            int64_t(detail::multiprocessor_count()) * kQuadBlocksPerSm);
-    dspark_context_kv_quad_kernel<kRotaryDim, kFp8><<<grid, kQuadThreads, 0, stream>>>(p);
-    M3RT_LAUNCH_CHECK(stream, "dspark_context_kv_quad_kernel");
-    return;
+  if constexpr (kFp8) {  // bf16 caches never take the quad kernel (no instance is built for them)
+    if (p.num_ctx >= kQuadMinTokens) {
+      const dim3 grid = detail::one_wave_grid((pairs + kPairsPerWarp - 1) / kPairsPerWarp,
+                                              (p.num_ctx + kQuadWarps * 2 - 1) / (kQuadWarps * 2),
+                                              int64_t(detail::multiprocessor_count()) * kQuadBlocksPerSm);
+      dspark_context_kv_quad_kernel<kRotaryDim, kFp8><<<grid, kQuadThreads, 0, stream>>>(p);
+      M3RT_LAUNCH_CHECK(stream, "dspark_context_kv_quad_kernel");
+      return;
+    }
   }
   const dim3 grid = detail::one_wave_grid(pairs, (p.num_ctx + kTokensPerRun - 1) / kTokensPerRun,
                                           int64_t(detail::multiprocessor_count()) * kMinBlocksPerSm);

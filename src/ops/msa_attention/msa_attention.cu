@@ -82,6 +82,11 @@ constexpr int kPage = 128;
 constexpr int kChunkKeys = 64;  // keys per pipeline stage
 constexpr int kWgImageBytes = kChunkKeys * 512;  // a chunk as the wgmma loop reads it (bf16 / f16)
 constexpr int kWgImages = 3;                     // e4m3 wgmma loop: converted chunks in flight
+// The e4m3 wgmma loops' converted chunks after the stages: three shared (wg_chunks), or per
+// warpgroup one K and two V halves (wg_chunks_tma): the same bytes.
+__host__ __device__ constexpr int wg_image_bytes(bool wg, bool fp8, bool tma) {
+  return wg && fp8 ? (tma ? 2 * 3 * (kWgImageBytes / 2) : kWgImages * kWgImageBytes) : 0;
+}
 constexpr int kMaxTokens = 32;  // tokens per group (32-bit token masks)
 constexpr int kMaxSplits = 16;
 constexpr unsigned kFull = 0xffffffffu;
@@ -608,14 +613,20 @@ __device__ __forceinline__ void cluster_merge(const ClusterMergeArgs& a) {
 // leading offset), 8-key atoms 1024 bytes apart (its stride offset).
 [[maybe_unused]] constexpr uint32_t kWgVLeading = kChunkKeys * 128, kWgVStride = 1024;
 
-// An e4m3 chunk (raw stage: 64 rows of 256 bytes, 16-byte piece pc of row r at pc ^ (r % 8)) as
-// the image the wgmma loop reads: K and V as f16 (exact), 128-byte swizzle.
-template <int kThreads>
-__device__ __forceinline__ void wg_convert_e4m3(const char* raw, char* image) {
+// An e4m3 chunk as the image the wgmma loop reads: K and V as f16 (exact), 128-byte swizzle. The
+// raw stage: 64 rows of 256 bytes, 16-byte piece pc of row r at pc ^ (r % 8) (cp.async), or
+// (kBoxes, the copy-engine loop) two tensor-map boxes of 64 rows x 128 bytes, K bytes then V
+// bytes, piece q of row r at q ^ (r % 8). kThreads threads, t = this one's index among them; V rows
+// at or past `valid` become zeros (stale rows of a partial chunk).
+// kBoxes writes K (regions 0-1) to `image` and V (regions 2-3) to `v_image`, 16 KiB each.
+template <int kThreads, bool kBoxes = false>
+__device__ __forceinline__ void wg_convert_e4m3(const char* raw, char* image, int t = threadIdx.x,
+                                                int valid = kChunkKeys, char* v_image = nullptr) {
 #pragma unroll
   for (int k = 0; k < kChunkKeys * 16 / kThreads; ++k) {
-    const int piece = threadIdx.x + kThreads * k, r = piece / 16, pc = piece % 16;
-    const uint4 v = lds128(raw + r * 256 + ((pc ^ swz_e4m3(r)) * 16));
+    const int piece = t + kThreads * k, r = piece / 16, pc = piece % 16;
+    const uint4 v = kBoxes ? lds128(raw + (pc / 8) * (kChunkKeys * 128) + r * 128 + (((pc % 8) ^ (r & 7)) * 16))
+                           : lds128(raw + r * 256 + ((pc ^ swz_e4m3(r)) * 16));
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
     uint32_t h[8];  // dims 16 (pc % 8) .. + 15 of K (pc < 8) or V, as f16 pairs
 #pragma unroll
@@ -623,8 +634,12 @@ __device__ __forceinline__ void wg_convert_e4m3(const char* raw, char* image) {
       h[2 * e] = e4m3x2_to_f16x2(w[e] & 0xffffu);
       h[2 * e + 1] = e4m3x2_to_f16x2(w[e] >> 16);
     }
+    if (kBoxes && pc >= 8 && r >= valid)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) h[e] = 0u;
     const int region = pc / 4, q = 2 * (pc % 4);  // K 0-63, K 64-127, V 0-63, V 64-127
-    char* row = image + region * (kChunkKeys * 128) + r * 128;
+    char* row = (kBoxes && region >= 2 ? v_image + (region - 2) * (kChunkKeys * 128)
+                                       : image + region * (kChunkKeys * 128)) + r * 128;
     *reinterpret_cast<uint4*>(row + ((q ^ (r & 7)) * 16)) = make_uint4(h[0], h[1], h[2], h[3]);
     *reinterpret_cast<uint4*>(row + (((q + 1) ^ (r & 7)) * 16)) = make_uint4(h[4], h[5], h[6], h[7]);
   }
@@ -793,31 +808,35 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
 #endif
 }
 
-// The bf16 wgmma loop on the copy engine (kTma). One thread fills the stages with tensor-map
-// boxes (fill(c, slot, bar): the chunk's four 64-key x 128-byte regions on the stage's `full`
-// barrier, or an arrival alone for a chunk no token of the group sees); the two warpgroups run
-// free of each other, paced by the stages' barriers only. Per chunk a warpgroup issues this
-// chunk's Q K^T and the previous chunk's P V as two commit groups, waits for the first, and runs
-// the mask, max and exponentials while the P V still runs; then it waits for that, releases the
-// previous chunk's stage (`empty`: one arrival a warp, 8 a stage), rescales O and forms P.
-// Chunk i's stage is i % stages, refilled with chunk i + stages by the fill D = stages - 2
-// iterations ahead once both warpgroups released it (its last P V ran in iteration i + 1).
-// A chunk with keys past seq_len has its V rows there zeroed (stale cache rows may hold anything,
-// and 0 x NaN would reach O) before either warpgroup reads it (a CTA barrier: at most one such
-// chunk a CTA, and the same iteration for every thread).
-template <class Fill>
+// The wgmma loop on the copy engine (kTma). One thread fills the stages with tensor-map boxes
+// (fill(c, slot, bar): the chunk's boxes on the stage's `full` barrier, or an arrival alone for a
+// chunk none of the group's tokens sees); the two warpgroups run free of each other, paced by the
+// stages' barriers only. Per chunk a warpgroup issues this chunk's Q K^T and the previous chunk's
+// P V as two commit groups, waits for the first, and runs the mask, max and exponentials while the
+// P V still runs; then it waits for that, rescales O and forms P.
+// bf16: the MMAs read the stage itself; a warp releases it (`empty`: one arrival a warp, 8 a
+// stage) after the P V that read it (iteration i + 1), so chunk i + stages is filled D = stages - 2
+// iterations ahead. A chunk with keys past seq_len has its V rows there zeroed (stale cache rows
+// may hold anything, and 0 x NaN would reach O) before either warpgroup reads it (a barrier of all
+// 256 threads: at most one such chunk a CTA, reached by every thread in the same iteration).
+// e4m3: the stage holds the raw chunk (two boxes); each warpgroup converts the chunks it needs into
+// its own f16 images, zeroing V rows past seq_len, and releases the raw stage at once (D = stages -
+// 1): K into one 16 KiB image (the previous chunk's Q K^T is done by then), V into one of two (the
+// previous chunk's P V still reads the other).
+template <bool kFp8, class Fill>
 __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], const int4* uniq, const char* q_s,
                                               char* area, int stage_bytes, int stages, int c_begin, int c_end,
                                               int rows, int G, const int (&row_token)[2], const int (&row_lo)[2],
-                                              const int (&row_hi)[2], float scale_log2, int seq_len,
-                                              uint64_t* bars, Fill&& fill) {
+                                              const int (&row_hi)[2], float scale_log2, float2 row_scale,
+                                              int seq_len, uint64_t* bars, Fill&& fill) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace kernels;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, c = lane % 4, wg = warp / 4;
   const uint32_t wg_tokens = wg_token_mask(wg, rows, G);
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
-  const int n = c_end - c_begin, D = stages - 2;
+  const int n = c_end - c_begin, D = kFp8 ? stages - 1 : stages - 2;
+  char* images = area + stages * stage_bytes + wg * 3 * (kWgImageBytes / 2);  // e4m3: this warpgroup's K, V, V
   uint64_t* full = bars;
   uint64_t* empty = bars + stages;
   if (tid == 0) {
@@ -835,14 +854,14 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
   uint32_t qa[8][4];
   wg_load_q(qa, q_s, warp, lane);
   uint32_t ph[4][4], pl[4][4];  // the previous chunk's P (value and residue)
-  uint32_t sa_prev = 0;
+  uint32_t sa_prev = 0;  // the previous chunk's V, less 2 regions (bf16: its stage's address)
   bool have_p = false;
   auto pv = [&] {  // O += P V of the previous chunk (value and residue)
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
       const uint64_t desc = sw128_desc(sa_prev + 2 * (kChunkKeys * 128) + t * 2048, kWgVLeading, kWgVStride);
-      wgmma_m64k16<128, false, true>(o, ph[t], desc);
-      wgmma_m64k16<128, false, true>(o, pl[t], desc);
+      wgmma_m64k16<128, kFp8, true>(o, ph[t], desc);
+      wgmma_m64k16<128, kFp8, true>(o, pl[t], desc);
     }
   };
   // Chunk i's stage and the parity of its use; the fill's (chunk i + D) the same, one use behind.
@@ -857,26 +876,38 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
     const int4 u = uniq[cc >> 1];  // {id, page, mask of half 0, mask of half 1}
     const uint32_t mask = uint32_t(cc & 1 ? u.w : u.z);
     const bool mine = (mask & wg_tokens) != 0;
-    const uint32_t sa = smem_u32(area + slot * stage_bytes);
+    char* stage = area + slot * stage_bytes;
+    uint32_t sa = smem_u32(stage), va = 0;  // this chunk's K (e4m3: its image; va: its V image)
     const int chunk_pos = u.x * kPage + (cc & 1) * kChunkKeys;
     mbar_wait(&full[slot], phase);
-    if (mask != 0 && seq_len - chunk_pos < kChunkKeys) {  // uniform over the CTA
-      const int valid = seq_len - chunk_pos, pieces = (kChunkKeys - valid) * 16;  // V rows x 16-byte pieces
-      char* stage = area + slot * stage_bytes;
-      for (int k = tid; k < pieces; k += 256) {
-        const int r = valid + k / 16, pc = k % 16;
-        *reinterpret_cast<uint4*>(stage + (2 + pc / 8) * (kChunkKeys * 128) + r * 128 + (pc % 8) * 16) =
-            make_uint4(0, 0, 0, 0);
+    if constexpr (kFp8) {
+      char* v_image = images + (1 + (i & 1)) * (kWgImageBytes / 2);
+      if (mine) {
+        wg_convert_e4m3<128, true>(stage, images, tid % 128, seq_len - chunk_pos, v_image);
+        fence_proxy_async();  // this thread's image writes, visible to the tensor cores
+        named_bar_sync(1 + wg, 128);
       }
-      fence_proxy_async();  // the zeros, visible to the tensor cores
-      __syncthreads();
+      if (lane == 0) mbar_arrive(&empty[slot]);  // the raw stage: converted, or not needed here
+      sa = smem_u32(images);
+      va = smem_u32(v_image) - 2 * (kChunkKeys * 128);  // V as pv() addresses it
+    } else {
+      if (mask != 0 && seq_len - chunk_pos < kChunkKeys) {  // uniform over the CTA
+        const int valid = seq_len - chunk_pos, pieces = (kChunkKeys - valid) * 16;  // V rows x 16-byte pieces
+        for (int k = tid; k < pieces; k += 256) {
+          const int r = valid + k / 16, pc = k % 16;
+          *reinterpret_cast<uint4*>(stage + (2 + pc / 8) * (kChunkKeys * 128) + r * 128 + (pc % 8) * 16) =
+              make_uint4(0, 0, 0, 0);
+        }
+        fence_proxy_async();  // the zeros, visible to the tensor cores
+        __syncthreads();
+      }
     }
     float s[32];
     auto qk = [&] {
-      wgmma_m64k16<64, false, false, false>(s, qa[0], sw128_desc(sa));
+      wgmma_m64k16<64, kFp8, false, false>(s, qa[0], sw128_desc(sa));
 #pragma unroll
       for (int ks = 1; ks < 8; ++ks)
-        wgmma_m64k16<64, false>(s, qa[ks], sw128_desc(sa + (ks / 4) * (kChunkKeys * 128) + (ks % 4) * 32));
+        wgmma_m64k16<64, kFp8>(s, qa[ks], sw128_desc(sa + (ks / 4) * (kChunkKeys * 128) + (ks % 4) * 32));
     };
     const int prev_slot = slot == 0 ? stages - 1 : slot - 1;
     const int this_slot = slot;
@@ -888,7 +919,7 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
         wgmma_commit();
       }
       wgmma_wait<0>();
-      if (lane == 0) {
+      if (!kFp8 && lane == 0) {
         if (have_p) mbar_arrive(&empty[prev_slot]);  // the previous chunk's stage
         mbar_arrive(&empty[this_slot]);
       }
@@ -913,15 +944,17 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
     int lo[2], hi[2];
     chunk_row_ranges(mask, chunk_pos, row_token, row_lo, row_hi, lo, hi);
     const bool all_visible = lo[0] == 0 && hi[0] == kChunkKeys && lo[1] == 0 && hi[1] == kChunkKeys;
+    // bf16: the max before scaling, the scale in the exponent's FMA; e4m3 scales first (wg_chunks).
+    const float sc = kFp8 ? 1.f : scale_log2;
     float mx[2], alpha[2], m_sub[2], sum[2];
-    wg_mask_max<false>(s, all_visible, lo, hi, c, float2{}, mx);
-    advance_max(st.m, mx, scale_log2, alpha, m_sub);
-    wg_exp_sum(s, scale_log2, m_sub, sum);
+    wg_mask_max<kFp8>(s, all_visible, lo, hi, c, row_scale, mx);
+    advance_max(st.m, mx, sc, alpha, m_sub);
+    wg_exp_sum(s, sc, m_sub, sum);
     wgmma_wait<0>();  // the previous chunk's P V: o may be rescaled, its stage refilled
-    if (lane == 0 && have_p) mbar_arrive(&empty[prev_slot]);
+    if (!kFp8 && lane == 0 && have_p) mbar_arrive(&empty[prev_slot]);
     have_p = true;
-    wg_rescale_form_p<false>(st, o, s, alpha, sum, ph, pl);
-    sa_prev = sa;
+    wg_rescale_form_p<kFp8>(st, o, s, alpha, sum, ph, pl);
+    sa_prev = kFp8 ? va : sa;
   }
   if (have_p) {  // the last chunk's P V
     wgmma_fence();
@@ -1035,7 +1068,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
   kernels::grid_dependency_wait();  // launched with PDL (p.pdl): nothing is read before this
   constexpr int kThreads = kWarps * 32;
   static_assert(!kWg || kWarps == 8, "the wgmma loop runs on two warpgroups");
-  static_assert(!kTma || (kWg && !kFp8), "the copy-engine loop holds bf16 chunks");
+  static_assert(!kTma || kWg, "the copy-engine loop is a form of the wgmma loop");
   extern __shared__ __align__(128) char smem_raw[];
   // The wgmma instances' stages start on a 1024-byte boundary (the swizzle atom): their shared
   // memory has 1024 bytes of slack for it.
@@ -1043,7 +1076,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
   const int G = p.num_heads / p.num_kv_heads;
   const int tg = msa_group_tokens(G, p.decode_query_len);
   const SmemLayout L =
-      smem_layout(kFp8, stages, tg, G, p.topk_k, p.max_blocks, kWarps, kWg && kFp8 ? kWgImages * kWgImageBytes : 0,
+      smem_layout(kFp8, stages, tg, G, p.topk_k, p.max_blocks, kWarps, wg_image_bytes(kWg, kFp8, kTma),
                   kTma ? 2 * stages : 0);
   char* area = smem;
   char* q_s = smem + L.q_off;
@@ -1261,8 +1294,9 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
   }
   float wo[kWg ? 64 : 1];  // the wgmma loop's O accumulator (rows g, g + 8; dims 8 i + 2 c + e)
   if constexpr (kTma) {
-    // A chunk: four 64-key x 64-dim boxes (K 0-63, K 64-127, V 0-63, V 64-127) of the cache's
-    // tensor map {dim, key, KV head, page}, each one 128-byte-swizzled region of the stage.
+    // A chunk: 64-key boxes of 128 bytes (bf16: K dims 0-63, K 64-127, V 0-63, V 64-127; e4m3: K,
+    // V) of the cache's tensor map {row element, key, KV head, page}, each one 128-byte-swizzled
+    // region of the stage.
     auto fill = [&](int c, int slot, uint64_t* bar) {
       if (chunk_mask(uniq, c) == 0) {
         kernels::mbar_arrive(bar);
@@ -1271,13 +1305,14 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
       const int4 u = uniq[c >> 1];
       char* dst = area + slot * L.stage_bytes;
       kernels::mbar_arrive_expect_tx(bar, uint32_t(L.stage_bytes));
+      constexpr int kBoxes = kFp8 ? 2 : 4, kBoxElems = kFp8 ? 128 : 64;
 #pragma unroll
-      for (int r = 0; r < 4; ++r)
-        kernels::tma_load_4d(dst + r * (kChunkKeys * 128), p.cache_map, 64 * r, (c & 1) * kChunkKeys, kv_head, u.y,
-                             bar);
+      for (int r = 0; r < kBoxes; ++r)
+        kernels::tma_load_4d(dst + r * (kChunkKeys * 128), p.cache_map, kBoxElems * r, (c & 1) * kChunkKeys, kv_head,
+                             u.y, bar);
     };
-    wg_chunks_tma(st, wo, uniq, q_s, area, L.stage_bytes, stages, c_begin, c_end, rows, G, row_token, row_lo, row_hi,
-                  scale_log2, gr.seq_len, reinterpret_cast<uint64_t*>(smem + L.bar_off), fill);
+    wg_chunks_tma<kFp8>(st, wo, uniq, q_s, area, L.stage_bytes, stages, c_begin, c_end, rows, G, row_token, row_lo,
+                        row_hi, scale_log2, row_scale, gr.seq_len, reinterpret_cast<uint64_t*>(smem + L.bar_off), fill);
   } else if constexpr (kWg) {
     wg_chunks<kFp8>(st, wo, uniq, q_s, area, L.stage_bytes, stages, c_begin, c_end, rows, G, row_token, row_lo,
                     row_hi, scale_log2, row_scale, issue);
@@ -1755,8 +1790,9 @@ void raise_smem_limit(std::initializer_list<KernelFn> fns, int smem) {
   for (KernelFn fn : fns) detail::raise_smem_limit(reinterpret_cast<const void*>(fn), smem);
 }
 
-// The bf16 cache [num_cache_blocks, Hkv, 128, 256] as a tensor map {dim, key, KV head, page} with
-// 64 x 64 boxes (64 dims of 64 keys: one 128-byte-swizzled region of a wgmma stage), written into
+// The cache [num_cache_blocks, Hkv, 128, 256] as a tensor map {row element, key, KV head, page}
+// with boxes of 128 bytes x 64 keys (bf16: 64 dims; e4m3: 128; one 128-byte-swizzled region of a
+// stage), written into
 // p.cache_map; false when the driver has no encoder or refuses the shape (then the cp.async wgmma
 // loop runs). Host arithmetic only: no device call, no sync.
 bool encode_cache_map(MsaParams& p) {
@@ -1774,11 +1810,13 @@ bool encode_cache_map(MsaParams& p) {
     return reinterpret_cast<Encode>(fn);
   }();
   if (encode == nullptr || p.num_cache_blocks <= 0 || p.num_cache_blocks > 0x7fffffff) return false;
+  const cuuint64_t row = p.fp8 ? 256 : 512;  // bytes a cache row
   const cuuint64_t dims[4] = {256, cuuint64_t(kPage), cuuint64_t(p.num_kv_heads), cuuint64_t(p.num_cache_blocks)};
-  const cuuint64_t strides[3] = {512, cuuint64_t(kPage) * 512, cuuint64_t(p.num_kv_heads) * kPage * 512};  // bytes
-  const cuuint32_t box[4] = {64, cuuint32_t(kChunkKeys), 1, 1}, unit[4] = {1, 1, 1, 1};
+  const cuuint64_t strides[3] = {row, kPage * row, cuuint64_t(p.num_kv_heads) * kPage * row};  // bytes
+  const cuuint32_t box[4] = {p.fp8 ? 128u : 64u, cuuint32_t(kChunkKeys), 1, 1}, unit[4] = {1, 1, 1, 1};
   CUtensorMap map;
-  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(p.cache), dims, strides, box,
+  const CUresult r = encode(&map, p.fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4,
+                            const_cast<void*>(p.cache), dims, strides, box,
                             unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) return false;
@@ -1796,10 +1834,10 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
   const bool wg = use_wgmma(msa_group_rows(G, tg));
   const int warps = lone ? 8 : 4;
   KernelConfig cfg{};
-  tma = tma && wg && !fp8;
+  tma = tma && wg;
   if (tma) {
-    cfg.fn = msa_sparse_kernel<false, 8, false, true, true>;
-    cfg.cluster_fn = msa_sparse_kernel<false, 8, true, true, true>;
+    cfg.fn = fp8 ? msa_sparse_kernel<true, 8, false, true, true> : msa_sparse_kernel<false, 8, false, true, true>;
+    cfg.cluster_fn = fp8 ? msa_sparse_kernel<true, 8, true, true, true> : msa_sparse_kernel<false, 8, true, true, true>;
   } else if (wg) {
     cfg.fn = fp8 ? msa_sparse_kernel<true, 8, false, true> : msa_sparse_kernel<false, 8, false, true>;
     cfg.cluster_fn = fp8 ? msa_sparse_kernel<true, 8, true, true> : msa_sparse_kernel<false, 8, true, true>;
@@ -1811,7 +1849,7 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
     cfg.cluster_fn = lone ? msa_sparse_kernel<false, 8, true> : msa_sparse_kernel<false, 4, true>;
   }
   cfg.threads = warps * 32;
-  const int images = wg && fp8 ? kWgImages * kWgImageBytes : 0;
+  const int images = wg_image_bytes(wg, fp8, tma);
   const SmemLayout base = smem_layout(fp8, 0, tg, G, topk, max_blocks, warps, images, tma ? 2 * 8 : 0);
   const int slack = wg ? 1024 : 0;  // wgmma: the stages' 1024-byte alignment
   const int fixed = base.total - base.q_off + slack + images;
@@ -1946,7 +1984,7 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   MsaParams call = p;
   // bf16 groups on the wgmma loop take its copy-engine form (M3RT_MSA_WG_TMA=0: the cp.async
   // form, for benchmarks).
-  const bool tma = !d1 && !p.fp8 && use_wgmma(msa_group_rows(G, tg)) && !switched_off("M3RT_MSA_WG_TMA") &&
+  const bool tma = !d1 && use_wgmma(msa_group_rows(G, tg)) && !switched_off("M3RT_MSA_WG_TMA") &&
                    encode_cache_map(call);
   const int64_t ctas = groups * p.num_kv_heads * splits;
   KernelConfig cfg = d1 ? decode1_config(p.fp8) : kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, ctas, tma);

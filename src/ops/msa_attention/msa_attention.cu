@@ -82,11 +82,8 @@ constexpr int kPage = 128;
 constexpr int kChunkKeys = 64;  // keys per pipeline stage
 constexpr int kWgImageBytes = kChunkKeys * 512;  // a chunk as the wgmma loop reads it (bf16 / f16)
 constexpr int kWgImages = 3;                     // e4m3 wgmma loop: converted chunks in flight
-// The e4m3 wgmma loops' converted chunks after the stages: three shared (wg_chunks), or per
-// warpgroup one K and two V halves (wg_chunks_tma): the same bytes.
-__host__ __device__ constexpr int wg_image_bytes(bool wg, bool fp8, bool tma) {
-  return wg && fp8 ? (tma ? 2 * 3 * (kWgImageBytes / 2) : kWgImages * kWgImageBytes) : 0;
-}
+// The copy-engine loop's mbarriers: per stage `full` and `empty`; e4m3 also per image.
+__host__ __device__ constexpr int tma_bars(bool fp8, int stages) { return 2 * stages + (fp8 ? 2 * kWgImages : 0); }
 constexpr int kMaxTokens = 32;  // tokens per group (32-bit token masks)
 constexpr int kMaxSplits = 16;
 constexpr unsigned kFull = 0xffffffffu;
@@ -616,12 +613,11 @@ __device__ __forceinline__ void cluster_merge(const ClusterMergeArgs& a) {
 // An e4m3 chunk as the image the wgmma loop reads: K and V as f16 (exact), 128-byte swizzle. The
 // raw stage: 64 rows of 256 bytes, 16-byte piece pc of row r at pc ^ (r % 8) (cp.async), or
 // (kBoxes, the copy-engine loop) two tensor-map boxes of 64 rows x 128 bytes, K bytes then V
-// bytes, piece q of row r at q ^ (r % 8). kThreads threads, t = this one's index among them; V rows
-// at or past `valid` become zeros (stale rows of a partial chunk).
-// kBoxes writes K (regions 0-1) to `image` and V (regions 2-3) to `v_image`, 16 KiB each.
+// bytes, piece q of row r at q ^ (r % 8); there V rows at or past `valid` become zeros (stale rows
+// of a partial chunk). Threads 0 .. kThreads - 1 share the work.
 template <int kThreads, bool kBoxes = false>
-__device__ __forceinline__ void wg_convert_e4m3(const char* raw, char* image, int t = threadIdx.x,
-                                                int valid = kChunkKeys, char* v_image = nullptr) {
+__device__ __forceinline__ void wg_convert_e4m3(const char* raw, char* image, int valid = kChunkKeys) {
+  const int t = threadIdx.x;
 #pragma unroll
   for (int k = 0; k < kChunkKeys * 16 / kThreads; ++k) {
     const int piece = t + kThreads * k, r = piece / 16, pc = piece % 16;
@@ -638,8 +634,7 @@ __device__ __forceinline__ void wg_convert_e4m3(const char* raw, char* image, in
 #pragma unroll
       for (int e = 0; e < 8; ++e) h[e] = 0u;
     const int region = pc / 4, q = 2 * (pc % 4);  // K 0-63, K 64-127, V 0-63, V 64-127
-    char* row = (kBoxes && region >= 2 ? v_image + (region - 2) * (kChunkKeys * 128)
-                                       : image + region * (kChunkKeys * 128)) + r * 128;
+    char* row = image + region * (kChunkKeys * 128) + r * 128;
     *reinterpret_cast<uint4*>(row + ((q ^ (r & 7)) * 16)) = make_uint4(h[0], h[1], h[2], h[3]);
     *reinterpret_cast<uint4*>(row + (((q + 1) ^ (r & 7)) * 16)) = make_uint4(h[4], h[5], h[6], h[7]);
   }
@@ -810,19 +805,21 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
 
 // The wgmma loop on the copy engine (kTma). One thread fills the stages with tensor-map boxes
 // (fill(c, slot, bar): the chunk's boxes on the stage's `full` barrier, or an arrival alone for a
-// chunk none of the group's tokens sees); the two warpgroups run free of each other, paced by the
-// stages' barriers only. Per chunk a warpgroup issues this chunk's Q K^T and the previous chunk's
-// P V as two commit groups, waits for the first, and runs the mask, max and exponentials while the
-// P V still runs; then it waits for that, rescales O and forms P.
+// chunk none of the group's tokens sees); the two warpgroups run free of each other, paced by
+// mbarriers only. Per chunk a warpgroup issues this chunk's Q K^T and the previous chunk's P V as
+// two commit groups, waits for the first, and runs the mask, max and exponentials while the P V
+// still runs; then it waits for that, rescales O and forms P.
 // bf16: the MMAs read the stage itself; a warp releases it (`empty`: one arrival a warp, 8 a
 // stage) after the P V that read it (iteration i + 1), so chunk i + stages is filled D = stages - 2
 // iterations ahead. A chunk with keys past seq_len has its V rows there zeroed (stale cache rows
 // may hold anything, and 0 x NaN would reach O) before either warpgroup reads it (a barrier of all
 // 256 threads: at most one such chunk a CTA, reached by every thread in the same iteration).
-// e4m3: the stage holds the raw chunk (two boxes); each warpgroup converts the chunks it needs into
-// its own f16 images, zeroing V rows past seq_len, and releases the raw stage at once (D = stages -
-// 1): K into one 16 KiB image (the previous chunk's Q K^T is done by then), V into one of two (the
-// previous chunk's P V still reads the other).
+// e4m3: the stage holds the raw chunk (two boxes, K bytes and V bytes). All 256 threads convert
+// chunk i + 1 into f16 image (i + 1) % 3 (V rows past seq_len zeroed) while this chunk's MMAs run,
+// and release its stage at once; an image is `img_full` when every warp has written its share
+// and `img_empty` when every warp is done with it (its P V complete, or the chunk not its
+// warpgroup's), so the warpgroups may drift up to about an iteration apart. Chunk i + stages
+// refills chunk i's stage (converted in iteration i - 1).
 template <bool kFp8, class Fill>
 __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], const int4* uniq, const char* q_s,
                                               char* area, int stage_bytes, int stages, int c_begin, int c_end,
@@ -835,15 +832,22 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
   const uint32_t wg_tokens = wg_token_mask(wg, rows, G);
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
-  const int n = c_end - c_begin, D = kFp8 ? stages - 1 : stages - 2;
-  char* images = area + stages * stage_bytes + wg * 3 * (kWgImageBytes / 2);  // e4m3: this warpgroup's K, V, V
+  const int n = c_end - c_begin, D = kFp8 ? stages : stages - 2;
   uint64_t* full = bars;
   uint64_t* empty = bars + stages;
+  uint64_t* img_full = bars + 2 * stages;  // e4m3
+  uint64_t* img_empty = img_full + kWgImages;
+  char* images = area + stages * stage_bytes;
   if (tid == 0) {
     for (int s = 0; s < stages; ++s) {
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], 8);  // every warp of both warpgroups
     }
+    if (kFp8)
+      for (int s = 0; s < kWgImages; ++s) {
+        mbar_init(&img_full[s], 8);
+        mbar_init(&img_empty[s], 8);
+      }
     fence_mbarrier_init();
   }
   fence_proxy_async();  // the prologue's shared-memory accesses to the stage area, before the copies
@@ -851,10 +855,30 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
   __syncthreads();
   if (tid == 0)
     for (int j = 0; j < min(D, n); ++j) fill(c_begin + j, j, &full[j]);
+  // e4m3: chunk k (< n) into its image, this thread's share; the raw stage and its parity advance.
+  int cs = 0, cph = 0;
+  auto convert = [&](int k) {
+    const int cc = c_begin + k, img = k % kWgImages;
+    const int4 u = uniq[cc >> 1];
+    if (k >= kWgImages) mbar_wait(&img_empty[img], ((k / kWgImages) - 1) & 1);
+    mbar_wait(&full[cs], cph);
+    if ((cc & 1 ? u.w : u.z) != 0) {
+      wg_convert_e4m3<256, true>(area + cs * stage_bytes, images + img * kWgImageBytes,
+                                 seq_len - (u.x * kPage + (cc & 1) * kChunkKeys));
+      fence_proxy_async();  // this thread's image writes, visible to the tensor cores
+    }
+    __syncwarp();
+    if (lane == 0) {
+      mbar_arrive(&empty[cs]);
+      mbar_arrive(&img_full[img]);
+    }
+    if (++cs == stages) cs = 0, cph ^= 1;
+  };
+  if (kFp8 && n > 0) convert(0);
   uint32_t qa[8][4];
   wg_load_q(qa, q_s, warp, lane);
   uint32_t ph[4][4], pl[4][4];  // the previous chunk's P (value and residue)
-  uint32_t sa_prev = 0;  // the previous chunk's V, less 2 regions (bf16: its stage's address)
+  uint32_t sa_prev = 0;         // the previous chunk's K and V (bf16: its stage; e4m3: its image)
   bool have_p = false;
   auto pv = [&] {  // O += P V of the previous chunk (value and residue)
 #pragma unroll
@@ -864,8 +888,9 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
       wgmma_m64k16<128, kFp8, true>(o, pl[t], desc);
     }
   };
-  // Chunk i's stage and the parity of its use; the fill's (chunk i + D) the same, one use behind.
-  int slot = 0, phase = 0, fslot = D, fphase = 1;
+  // Chunk i's stage and the parity of its use; the fill's (chunk i + D, into chunk i + D -
+  // stages' stage) the same, one use behind.
+  int slot = 0, phase = 0, fslot = kFp8 ? 0 : D, fphase = kFp8 ? 0 : 1;
   for (int i = 0; i < n; ++i) {
     const int cc = c_begin + i;
     if (tid == 0 && i + D < n) {
@@ -876,21 +901,14 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
     const int4 u = uniq[cc >> 1];  // {id, page, mask of half 0, mask of half 1}
     const uint32_t mask = uint32_t(cc & 1 ? u.w : u.z);
     const bool mine = (mask & wg_tokens) != 0;
+    const int img = i % kWgImages, prev_img = img == 0 ? kWgImages - 1 : img - 1;
     char* stage = area + slot * stage_bytes;
-    uint32_t sa = smem_u32(stage), va = 0;  // this chunk's K (e4m3: its image; va: its V image)
+    const uint32_t sa = kFp8 ? smem_u32(images + img * kWgImageBytes) : smem_u32(stage);
     const int chunk_pos = u.x * kPage + (cc & 1) * kChunkKeys;
-    mbar_wait(&full[slot], phase);
     if constexpr (kFp8) {
-      char* v_image = images + (1 + (i & 1)) * (kWgImageBytes / 2);
-      if (mine) {
-        wg_convert_e4m3<128, true>(stage, images, tid % 128, seq_len - chunk_pos, v_image);
-        fence_proxy_async();  // this thread's image writes, visible to the tensor cores
-        named_bar_sync(1 + wg, 128);
-      }
-      if (lane == 0) mbar_arrive(&empty[slot]);  // the raw stage: converted, or not needed here
-      sa = smem_u32(images);
-      va = smem_u32(v_image) - 2 * (kChunkKeys * 128);  // V as pv() addresses it
+      if (mine) mbar_wait(&img_full[img], (i / kWgImages) & 1);
     } else {
+      mbar_wait(&full[slot], phase);
       if (mask != 0 && seq_len - chunk_pos < kChunkKeys) {  // uniform over the CTA
         const int valid = seq_len - chunk_pos, pieces = (kChunkKeys - valid) * 16;  // V rows x 16-byte pieces
         for (int k = tid; k < pieces; k += 256) {
@@ -912,22 +930,27 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
     const int prev_slot = slot == 0 ? stages - 1 : slot - 1;
     const int this_slot = slot;
     if (++slot == stages) slot = 0, phase ^= 1;
+    // A warp is done with chunk i - 1 (bf16: its stage; e4m3: its image) once its P V completed.
+    auto release_prev = [&] {
+      if (lane == 0 && have_p) mbar_arrive(kFp8 ? &img_empty[prev_img] : &empty[prev_slot]);
+    };
     if (!mine) {
       if (have_p) {
         wgmma_fence();
         pv();
         wgmma_commit();
       }
+      if (kFp8 && i + 1 < n) convert(i + 1);
       wgmma_wait<0>();
-      if (!kFp8 && lane == 0) {
-        if (have_p) mbar_arrive(&empty[prev_slot]);  // the previous chunk's stage
-        mbar_arrive(&empty[this_slot]);
+      if (lane == 0) {  // chunk i - 1 done with, chunk i not needed
+        if (have_p) mbar_arrive(kFp8 ? &img_empty[prev_img] : &empty[prev_slot]);
+        mbar_arrive(kFp8 ? &img_empty[img] : &empty[this_slot]);
       }
       have_p = false;
       continue;
     }
     // This chunk's Q K^T, then (a second commit group, empty without one) the previous chunk's
-    // P V, which runs under this chunk's softmax until o is rescaled.
+    // P V, which runs under the next chunk's conversion and this chunk's softmax until o is rescaled.
     if (have_p) {
       wgmma_fence();
       qk();
@@ -940,6 +963,7 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
       wgmma_commit();
       wgmma_commit();
     }
+    if (kFp8 && i + 1 < n) convert(i + 1);
     wgmma_wait<1>();  // this chunk's S
     int lo[2], hi[2];
     chunk_row_ranges(mask, chunk_pos, row_token, row_lo, row_hi, lo, hi);
@@ -950,11 +974,11 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
     wg_mask_max<kFp8>(s, all_visible, lo, hi, c, row_scale, mx);
     advance_max(st.m, mx, sc, alpha, m_sub);
     wg_exp_sum(s, sc, m_sub, sum);
-    wgmma_wait<0>();  // the previous chunk's P V: o may be rescaled, its stage refilled
-    if (!kFp8 && lane == 0 && have_p) mbar_arrive(&empty[prev_slot]);
+    wgmma_wait<0>();  // the previous chunk's P V: o may be rescaled, its stage or image reused
+    release_prev();
     have_p = true;
     wg_rescale_form_p<kFp8>(st, o, s, alpha, sum, ph, pl);
-    sa_prev = kFp8 ? va : sa;
+    sa_prev = sa;
   }
   if (have_p) {  // the last chunk's P V
     wgmma_fence();
@@ -1076,8 +1100,8 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
   const int G = p.num_heads / p.num_kv_heads;
   const int tg = msa_group_tokens(G, p.decode_query_len);
   const SmemLayout L =
-      smem_layout(kFp8, stages, tg, G, p.topk_k, p.max_blocks, kWarps, wg_image_bytes(kWg, kFp8, kTma),
-                  kTma ? 2 * stages : 0);
+      smem_layout(kFp8, stages, tg, G, p.topk_k, p.max_blocks, kWarps, kWg && kFp8 ? kWgImages * kWgImageBytes : 0,
+                  kTma ? tma_bars(kFp8, stages) : 0);
   char* area = smem;
   char* q_s = smem + L.q_off;
   uint64_t* keys = reinterpret_cast<uint64_t*>(smem + L.keys_off);
@@ -1849,8 +1873,8 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
     cfg.cluster_fn = lone ? msa_sparse_kernel<false, 8, true> : msa_sparse_kernel<false, 4, true>;
   }
   cfg.threads = warps * 32;
-  const int images = wg_image_bytes(wg, fp8, tma);
-  const SmemLayout base = smem_layout(fp8, 0, tg, G, topk, max_blocks, warps, images, tma ? 2 * 8 : 0);
+  const int images = wg && fp8 ? kWgImages * kWgImageBytes : 0;
+  const SmemLayout base = smem_layout(fp8, 0, tg, G, topk, max_blocks, warps, images, tma ? tma_bars(fp8, 8) : 0);
   const int slack = wg ? 1024 : 0;  // wgmma: the stages' 1024-byte alignment
   const int fixed = base.total - base.q_off + slack + images;
   int stages = ((lone ? optin : per_sm / 2 - 1024) - fixed) / base.stage_bytes;
@@ -1860,7 +1884,8 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
     throw Error("msa_attention: a group of " + std::to_string(tg) + " tokens x topk " + std::to_string(topk) +
                 " needs more shared memory than this GPU has");
   cfg.stages = std::min(stages, 8);
-  cfg.smem = smem_layout(fp8, cfg.stages, tg, G, topk, max_blocks, warps, images, tma ? 2 * cfg.stages : 0).total + slack;
+  const int bars = tma ? tma_bars(fp8, cfg.stages) : 0;
+  cfg.smem = smem_layout(fp8, cfg.stages, tg, G, topk, max_blocks, warps, images, bars).total + slack;
   raise_smem_limit({cfg.fn, cfg.cluster_fn}, cfg.smem);
   return cfg;
 }

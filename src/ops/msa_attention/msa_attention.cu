@@ -26,7 +26,8 @@
 //     select the chunk are skipped.
 //     On sm_90, groups of more than 64 rows run this step on wgmma instead: two warpgroups of 64
 //     rows, the chunk in the 128-byte swizzle both operands read (wg_chunks, the kWg instances);
-//     bf16 chunks there come by tensor-map copies, paced by mbarriers (wg_chunks_tma, kTma).
+//     the chunks there come by tensor-map copies, paced by mbarriers (wg_chunks_tma, kTma; e4m3
+//     chunks converted once into f16 images both warpgroups read).
 //  5. Key parts merge through shared memory in a fixed order; the group's (O, max, sum) either
 //     becomes the output (one split) or a partial in the plan's scratch, and the last split to
 //     arrive (a per-(group, KV head) counter that it resets) merges the splits in split order; on
@@ -2007,8 +2008,8 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
     throw Error("msa_attention: split decode without its scratch (internal)");
   const bool d1 = !p.cu_seqlens_q && use_decode1(p.decode_query_len);
   MsaParams call = p;
-  // bf16 groups on the wgmma loop take its copy-engine form (M3RT_MSA_WG_TMA=0: the cp.async
-  // form, for benchmarks).
+  // Groups on the wgmma loop take its copy-engine form (M3RT_MSA_WG_TMA=0: the cp.async form, for
+  // benchmarks).
   const bool tma = !d1 && use_wgmma(msa_group_rows(G, tg)) && !switched_off("M3RT_MSA_WG_TMA") &&
                    encode_cache_map(call);
   const int64_t ctas = groups * p.num_kv_heads * splits;

@@ -54,6 +54,13 @@ struct MsaPrefillArgs {
   MsaMask mask{};
   TensorView out;           // [T, Hq, 128] bf16, last dim contiguous
   TensorView lse;           // optional [T, Hq] fp32
+  // The GPU's P V numerics. true (default): each softmax weight enters P V as a 16-bit value plus
+  // its 16-bit residue, so the output stays within 3 bf16 ulps (or 8e-4) of the reference.
+  // false: as the 16-bit value alone (bf16; f16 for an fp8 cache), FlashAttention's numerics,
+  // adding up to u * sum_n p_n |v_n| / sum_n p_n per output element (u = 2^-8 bf16, 2^-11 f16);
+  // where Hopper's copy-engine wgmma loop runs (groups of more than 64 rows: verify, prefill, the
+  // drafter's blocks) that saves 8-15%. Other kernels and the CPU keep the default.
+  bool p_residue = true;
 };
 
 void msa_prefill(const MsaPrefillArgs& args, stream_t stream = nullptr);
@@ -70,6 +77,8 @@ struct MsaDecodeArgs {
   MsaMask mask{};
   TensorView out;           // [B * dql, Hq, 128] bf16
   TensorView lse;           // optional [B * dql, Hq] fp32
+  // P V numerics on the GPU: as MsaPrefillArgs::p_residue.
+  bool p_residue = true;
   // Hopper: launch as a programmatic dependent of the kernel before it on the stream (PDL), so
   // that its CTAs are scheduled and start while that kernel finishes; they read nothing until it
   // has completed (griddepcontrol.wait first), and let the next kernel do the same. Ignored on

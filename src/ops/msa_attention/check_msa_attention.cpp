@@ -163,7 +163,7 @@ KvCacheDtype cache_dtype(const MsaVariant& v) {
 }
 
 // The op on `dev` with out and lse poisoned; returns them on the host.
-std::pair<Tensor, Tensor> run_msa(const MsaVariant& v, const MsaInputs& in, Device dev) {
+std::pair<Tensor, Tensor> run_msa(const MsaVariant& v, const MsaInputs& in, Device dev, bool p_residue = true) {
   Tensor q = on(in.q, dev), cache = on(in.cache, dev), ks = on(in.k_scale, dev), vs = on(in.v_scale, dev),
          topk = on(in.topk_buf, dev), cu = on(in.cu, dev), lens = on(in.seq_lens, dev),
          table = on(in.table, dev);
@@ -176,11 +176,11 @@ std::pair<Tensor, Tensor> run_msa(const MsaVariant& v, const MsaInputs& in, Devi
                         .kv_cache_dtype = cache_dtype(v)},
                        dev);
     plan.run({.q = q, .cache = c, .topk = head_major_view(topk), .seq_lens = lens, .block_table = table,
-              .softmax_scale = softmax_scale(), .mask = v.mask, .out = out, .lse = lse});
+              .softmax_scale = softmax_scale(), .mask = v.mask, .out = out, .lse = lse, .p_residue = p_residue});
   } else {
     msa_prefill({.q = q, .cache = c, .topk = head_major_view(topk), .cu_seqlens_q = cu, .seq_lens = lens,
                  .block_table = table, .max_query_len = in.max_query_len, .softmax_scale = softmax_scale(),
-                 .mask = v.mask, .out = out, .lse = lse});
+                 .mask = v.mask, .out = out, .lse = lse, .p_residue = p_residue});
   }
   return {to_host(out), to_host(lse)};
 }
@@ -231,6 +231,41 @@ void add_lse_row(CheckContext& c, const Tensor& got, const std::vector<double>& 
   c.rows.push_back(row);
 }
 
+// The output with P rounded once (p_residue false) against the reference `want`: element i may
+// differ by the default GPU tolerance (3 bf16 ulps of want or 8e-4) plus P's rounding bound
+// u * abs_out[i] (msa_oracle: sum_n p_n |v_n| / sum_n p_n; u = 2^-8 for bf16 P, 2^-11 for the f16 P
+// of an fp8 cache). The row reports |got - want| over that allowance (tolerance 1).
+void add_p16_out_row(CheckContext& c, const Tensor& got, const Tensor& want, const std::vector<double>& abs_out,
+                     bool fp8) {
+  CheckRow row;
+  row.op = c.op;
+  row.variant = c.variant + " p16";
+  row.device = c.device.str();
+  row.output = "out";
+  row.unit = "x bound";
+  row.tolerance = 1;
+  const double u = fp8 ? 0x1p-11 : 0x1p-8;
+  const int64_t H = got.view().shape[1];
+  int64_t failed = 0;
+  std::string first;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const double g = bf16_to_float(got.ptr<uint16_t>()[i]), w = bf16_to_float(want.ptr<uint16_t>()[i]);
+    const double ulp = w == 0 ? 0 : std::ldexp(1.0, std::ilogb(w) - 7);
+    const double allowed = std::max(kGpuUlps * ulp, kGpuAbs) + u * abs_out[size_t(i)];
+    const double ratio = std::isnan(g) || std::isnan(w) ? INFINITY : std::fabs(g - w) / allowed;
+    std::string where = "[";
+    where += std::to_string(i / (H * 128)) + ", " + std::to_string(i / 128 % H) + ", " + std::to_string(i % 128) + "]";
+    ++row.checked;
+    if (ratio > row.worst || row.where.empty()) row.worst = ratio, row.where = where;
+    if (!(ratio <= 1) && ++failed <= 5) first += where + " got " + num(g) + " want " + num(w) + "; ";
+  }
+  row.pass = failed == 0;
+  if (!row.pass)
+    row.message = std::to_string(failed) + " of " + std::to_string(row.checked) +
+                  " elements out of tolerance: " + first;
+  c.rows.push_back(row);
+}
+
 void check_msa_variant(CheckContext& c, const MsaVariant& v) {
   MsaInputs in = make_inputs(c.rng, v);
   c.variant = std::string(v.fp8 ? "fp8" : "bf16") + " Hq" + std::to_string(v.hq) + "/Hkv" +
@@ -240,16 +275,26 @@ void check_msa_variant(CheckContext& c, const MsaVariant& v) {
               (v.mask.window_left ? " w" + std::to_string(v.mask.window_left) : "") +
               (v.table_width ? " table" + std::to_string(v.table_width) : "");
   const auto [out, lse] = run_msa(v, in, c.device);
+  auto oracle = [&] {
+    return msa_oracle(msa_call_params(in.q, {in.cache, cache_dtype(v), in.k_scale, in.v_scale}, in.topk,
+                                      v.dql ? TensorView{} : in.cu.view(), in.seq_lens, in.table, v.dql, 0,
+                                      softmax_scale(), v.mask));
+  };
   if (c.device.is_cuda()) {
     const auto [ref_out, ref_lse] = run_msa(v, in, Device::cpu());
     add_out_row(c, out, ref_out, kGpuUlps, kGpuAbs);
     add_lse_row(c, lse, std::vector<double>(ref_lse.ptr<float>(), ref_lse.ptr<float>() + ref_lse.numel()),
                 kGpuLseRel);
+    // Groups of more than 64 rows (Hopper's wgmma loop, where p_residue = false takes effect): the
+    // same call with P rounded once.
+    const int G = v.hq / v.hkv;
+    if (msa_group_rows(G, msa_group_tokens(G, v.dql)) > 64) {
+      const Tensor p16_out = run_msa(v, in, c.device, false).first;
+      add_p16_out_row(c, p16_out, ref_out, oracle().abs_out, v.fp8);
+    }
     return;
   }
-  const MsaOracle o = msa_oracle(msa_call_params(in.q, {in.cache, cache_dtype(v), in.k_scale, in.v_scale},
-                                                 in.topk, v.dql ? TensorView{} : in.cu.view(), in.seq_lens,
-                                                 in.table, v.dql, 0, softmax_scale(), v.mask));
+  const MsaOracle o = oracle();
   Tensor want = Tensor::empty({in.T, v.hq, 128}, DType::kBFloat16);
   for (int64_t i = 0; i < want.numel(); ++i) want.ptr<uint16_t>()[i] = msa_oracle_bf16(o.out[size_t(i)]);
   add_out_row(c, out, want, kCpuUlps, kCpuAbs);

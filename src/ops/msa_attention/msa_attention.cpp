@@ -156,6 +156,7 @@ void msa_prefill(const MsaPrefillArgs& a, stream_t stream) {
   if (p.num_tokens == 0) return;
   p.cu_seqlens_q = a.cu_seqlens_q.ptr<const int32_t>();
   p.max_query_len = a.max_query_len;
+  p.p16 = !a.p_residue;
   run_on_device(kOp, dev, p, msa_attention_ref, M3RT_LAUNCHER(msa_attention_launch), stream);
 }
 
@@ -231,6 +232,7 @@ void MsaDecodePlan::run(const MsaDecodeArgs& a, stream_t stream) {
   if (p.num_tokens == 0) return;
   p.decode_query_len = s.decode_query_len;
   p.pdl = a.enable_pdl;
+  p.p16 = !a.p_residue;
   if (scratch_->splits > 1) {
     p.num_splits = scratch_->splits;
     p.part_o = scratch_->part_o.ptr<float>();

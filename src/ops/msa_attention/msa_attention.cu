@@ -821,7 +821,7 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
 // and `img_empty` when every warp is done with it (its P V complete, or the chunk not its
 // warpgroup's), so the warpgroups may drift up to about an iteration apart. Chunk i + stages
 // refills chunk i's stage (converted in iteration i - 1).
-template <bool kFp8, class Fill>
+template <bool kFp8, bool kP16, class Fill>
 __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], const int4* uniq, const char* q_s,
                                               char* area, int stage_bytes, int stages, int c_begin, int c_end,
                                               int rows, int G, const int (&row_token)[2], const int (&row_lo)[2],
@@ -881,12 +881,12 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
   uint32_t ph[4][4], pl[4][4];  // the previous chunk's P (value and residue)
   uint32_t sa_prev = 0;         // the previous chunk's K and V (bf16: its stage; e4m3: its image)
   bool have_p = false;
-  auto pv = [&] {  // O += P V of the previous chunk (value and residue)
+  auto pv = [&] {  // O += P V of the previous chunk (value and residue; kP16: the value alone)
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
       const uint64_t desc = sw128_desc(sa_prev + 2 * (kChunkKeys * 128) + t * 2048, kWgVLeading, kWgVStride);
       wgmma_m64k16<128, kFp8, true>(o, ph[t], desc);
-      wgmma_m64k16<128, kFp8, true>(o, pl[t], desc);
+      if constexpr (!kP16) wgmma_m64k16<128, kFp8, true>(o, pl[t], desc);
     }
   };
   // Chunk i's stage and the parity of its use; the fill's (chunk i + D, into chunk i + D -
@@ -1087,7 +1087,7 @@ __device__ __forceinline__ void store_row(const MsaParams& p, int64_t t, int h, 
 // kWg (sm_90a, 8 warps): the loop over chunks on wgmma, two warpgroups of 64 rows (wg_chunks);
 // kTma (with kWg, bf16): that loop fed by the copy engine, the warpgroups free of each other
 // (wg_chunks_tma). Everything before and after the loop is the same code.
-template <bool kFp8, int kWarps, bool kCluster, bool kWg = false, bool kTma = false>
+template <bool kFp8, int kWarps, bool kCluster, bool kWg = false, bool kTma = false, bool kP16 = false>
 __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
     msa_sparse_kernel(const __grid_constant__ MsaParams p, int stages) {
   kernels::grid_dependency_wait();  // launched with PDL (p.pdl): nothing is read before this
@@ -1336,7 +1336,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
         kernels::tma_load_4d(dst + r * (kChunkKeys * 128), p.cache_map, kBoxElems * r, (c & 1) * kChunkKeys, kv_head,
                              u.y, bar);
     };
-    wg_chunks_tma<kFp8>(st, wo, uniq, q_s, area, L.stage_bytes, stages, c_begin, c_end, rows, G, row_token, row_lo,
+    wg_chunks_tma<kFp8, kP16>(st, wo, uniq, q_s, area, L.stage_bytes, stages, c_begin, c_end, rows, G, row_token, row_lo,
                         row_hi, scale_log2, row_scale, gr.seq_len, reinterpret_cast<uint64_t*>(smem + L.bar_off), fill);
   } else if constexpr (kWg) {
     wg_chunks<kFp8>(st, wo, uniq, q_s, area, L.stage_bytes, stages, c_begin, c_end, rows, G, row_token, row_lo,
@@ -1849,8 +1849,16 @@ bool encode_cache_map(MsaParams& p) {
   return true;
 }
 
-// tma: the bf16 wgmma loop on the copy engine (p.cache_map encoded).
-KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, int64_t ctas, bool tma) {
+// The copy-engine instances (the wgmma loop on tensor-map copies), plain and clustered.
+template <bool kFp8, bool kP16>
+void tma_instances(KernelConfig& cfg) {
+  cfg.fn = msa_sparse_kernel<kFp8, 8, false, true, true, kP16>;
+  cfg.cluster_fn = msa_sparse_kernel<kFp8, 8, true, true, true, kP16>;
+}
+
+// tma: the wgmma loop on the copy engine (p.cache_map encoded); p16: there, P V with P rounded
+// once to 16 bits (MsaParams::p16).
+KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, int64_t ctas, bool tma, bool p16) {
   int dev = 0, per_sm = 0, optin = 0;
   M3RT_CUDA_CHECK(cudaGetDevice(&dev));
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
@@ -1861,8 +1869,10 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
   KernelConfig cfg{};
   tma = tma && wg;
   if (tma) {
-    cfg.fn = fp8 ? msa_sparse_kernel<true, 8, false, true, true> : msa_sparse_kernel<false, 8, false, true, true>;
-    cfg.cluster_fn = fp8 ? msa_sparse_kernel<true, 8, true, true, true> : msa_sparse_kernel<false, 8, true, true, true>;
+    if (fp8)
+      p16 ? tma_instances<true, true>(cfg) : tma_instances<true, false>(cfg);
+    else
+      p16 ? tma_instances<false, true>(cfg) : tma_instances<false, false>(cfg);
   } else if (wg) {
     cfg.fn = fp8 ? msa_sparse_kernel<true, 8, false, true> : msa_sparse_kernel<false, 8, false, true>;
     cfg.cluster_fn = fp8 ? msa_sparse_kernel<true, 8, true, true> : msa_sparse_kernel<false, 8, true, true>;
@@ -2013,7 +2023,7 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   const bool tma = !d1 && use_wgmma(msa_group_rows(G, tg)) && !switched_off("M3RT_MSA_WG_TMA") &&
                    encode_cache_map(call);
   const int64_t ctas = groups * p.num_kv_heads * splits;
-  KernelConfig cfg = d1 ? decode1_config(p.fp8) : kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, ctas, tma);
+  KernelConfig cfg = d1 ? decode1_config(p.fp8) : kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, ctas, tma, p.p16);
   const dim3 grid(unsigned(groups), unsigned(p.num_kv_heads), unsigned(splits));
   // Split decode on Hopper: each group's splits form one cluster and merge through DSMEM. PDL only
   // where the kernels carry their griddepcontrol.wait (sm_90 code on a Hopper GPU).
@@ -2023,7 +2033,7 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   // 63.3 us; batch 1, 16 splits, 53.6 vs 41.7 us), while it won unsplit (verify, prefill: 1.22-1.32x)
   // and cluster-merged launches (batch 1, 16 splits: 21.6 vs 22.6 us).
   if (tma && splits > 1 && !cluster) {
-    cfg = kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, ctas, false);
+    cfg = kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, ctas, false, false);
     cluster = cluster_merge_fits(cfg, grid, splits);
   }
   const bool pdl = p.pdl && kernels::hopper_paths_run();

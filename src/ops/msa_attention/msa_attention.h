@@ -53,6 +53,7 @@ struct MsaParams {
   int* counters;                // [groups * Hkv], zero between calls (unused by cluster launches,
                                 // whose splits merge through DSMEM)
   bool pdl;                     // launch as a programmatic dependent (MsaDecodeArgs::enable_pdl)
+  bool p16;                     // P V may use P rounded once to 16 bits (the args' p_residue false)
   bool pdl_trigger;             // set by the launcher: let the next PDL grid launch after the loop
   // Set by the launcher, never by callers: the bf16 cache as a CUDA tensor map (an opaque
   // CUtensorMap) for the bulk tensor copies of the Hopper wgmma loop.

@@ -37,11 +37,12 @@ MsaOracle msa_oracle(const MsaParams& p) {
   o.num_heads = p.num_heads;
   const size_t rows = size_t(p.num_tokens) * size_t(p.num_heads);
   o.out.assign(rows * kDim, 0.0);
+  o.abs_out.assign(rows * kDim, 0.0);
   o.lse.assign(rows, -INFINITY);
   o.keys.assign(rows, 0);
   const double ks = p.fp8 ? double(*p.k_scale) : 1.0, vs = p.fp8 ? double(*p.v_scale) : 1.0;
   const int G = p.num_heads / p.num_kv_heads;
-  std::vector<double> s, q(kDim), acc(kDim), kv;
+  std::vector<double> s, q(kDim), acc(kDim), acc_abs(kDim), kv;
   std::vector<int64_t> keys;
   for (int64_t t = 0; t < p.num_tokens; ++t) {
     // The request and position of t.
@@ -93,13 +94,20 @@ MsaOracle msa_oracle(const MsaParams& p) {
         }
         double den = 0;
         acc.assign(kDim, 0.0);
+        acc_abs.assign(kDim, 0.0);
         for (size_t i = 0; i < keys.size(); ++i) {
           const double* v = kv.data() + i * 2 * kDim + kDim;
           const double w = std::exp(s[i] - m);
           den += w;
-          for (int d = 0; d < kDim; ++d) acc[size_t(d)] += w * v[d];
+          for (int d = 0; d < kDim; ++d) {
+            acc[size_t(d)] += w * v[d];
+            acc_abs[size_t(d)] += w * std::fabs(v[d]);
+          }
         }
-        for (int d = 0; d < kDim; ++d) o.out[r * kDim + size_t(d)] = acc[size_t(d)] / den;
+        for (int d = 0; d < kDim; ++d) {
+          o.out[r * kDim + size_t(d)] = acc[size_t(d)] / den;
+          o.abs_out[r * kDim + size_t(d)] = acc_abs[size_t(d)] / den;
+        }
         o.lse[r] = m + std::log(den);
       }
     }

@@ -22,6 +22,7 @@ struct MsaOracle {
   int64_t num_tokens = 0;
   int num_heads = 0;
   std::vector<double> out;      // [T, Hq, 128]; 0 for a row with no visible key
+  std::vector<double> abs_out;  // [T, Hq, 128]: sum_n p_n |v_n| / sum_n p_n (the scale of P's rounding)
   std::vector<double> lse;      // [T, Hq]; -inf for a row with no visible key
   std::vector<int64_t> keys;    // [T, Hq]: visible keys of the row
   double out_at(int64_t t, int h, int d) const { return out[size_t((t * num_heads + h) * 128 + d)]; }

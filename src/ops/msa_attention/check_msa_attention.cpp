@@ -234,7 +234,7 @@ void add_lse_row(CheckContext& c, const Tensor& got, const std::vector<double>& 
 // The output with P rounded once (p_residue false) against the reference `want`: element i may
 // differ by the default GPU tolerance (3 bf16 ulps of want or 8e-4) plus P's rounding bound
 // u * abs_out[i] (msa_oracle: sum_n p_n |v_n| / sum_n p_n; u = 2^-8 for bf16 P, 2^-11 for the f16 P
-// of an fp8 cache). The row reports |got - want| over that allowance (tolerance 1).
+// of an fp8 cache). The row reports |got - want| in percent of that allowance (tolerance 100).
 void add_p16_out_row(CheckContext& c, const Tensor& got, const Tensor& want, const std::vector<double>& abs_out,
                      bool fp8) {
   CheckRow row;
@@ -242,8 +242,8 @@ void add_p16_out_row(CheckContext& c, const Tensor& got, const Tensor& want, con
   row.variant = c.variant + " p16";
   row.device = c.device.str();
   row.output = "out";
-  row.unit = "x bound";
-  row.tolerance = 1;
+  row.unit = "% of bound";
+  row.tolerance = 100;
   const double u = fp8 ? 0x1p-11 : 0x1p-8;
   const int64_t H = got.view().shape[1];
   int64_t failed = 0;
@@ -252,12 +252,12 @@ void add_p16_out_row(CheckContext& c, const Tensor& got, const Tensor& want, con
     const double g = bf16_to_float(got.ptr<uint16_t>()[i]), w = bf16_to_float(want.ptr<uint16_t>()[i]);
     const double ulp = w == 0 ? 0 : std::ldexp(1.0, std::ilogb(w) - 7);
     const double allowed = std::max(kGpuUlps * ulp, kGpuAbs) + u * abs_out[size_t(i)];
-    const double ratio = std::isnan(g) || std::isnan(w) ? INFINITY : std::fabs(g - w) / allowed;
+    const double ratio = std::isnan(g) || std::isnan(w) ? INFINITY : 100 * std::fabs(g - w) / allowed;
     std::string where = "[";
     where += std::to_string(i / (H * 128)) + ", " + std::to_string(i / 128 % H) + ", " + std::to_string(i % 128) + "]";
     ++row.checked;
     if (ratio > row.worst || row.where.empty()) row.worst = ratio, row.where = where;
-    if (!(ratio <= 1) && ++failed <= 5) first += where + " got " + num(g) + " want " + num(w) + "; ";
+    if (!(ratio <= 100) && ++failed <= 5) first += where + " got " + num(g) + " want " + num(w) + "; ";
   }
   row.pass = failed == 0;
   if (!row.pass)

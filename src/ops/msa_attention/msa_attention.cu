@@ -198,7 +198,7 @@ __device__ void q_rows_to_f16(char* q_s, float* q_factor, int rows) {
 
 
 // Two weights as a 16-bit pair plus the pair of their rounding residues (hi + lo carries about 16
-// bits: P V through one bf16 P would lose up to 2^-9 of each weight, more than the output tolerance
+// bits: P V through one bf16 P would lose up to 2^-8 of each weight, more than the output tolerance
 // allows for rows with a few keys of very different values).
 template <bool kF16>
 __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {

@@ -83,10 +83,6 @@ inline bool hopper_paths_run() {
 [[maybe_unused]] __device__ __forceinline__ void fence_mbarrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
-// Named barrier `id` (0 is __syncthreads') over `threads` threads of the CTA (whole warps).
-[[maybe_unused]] __device__ __forceinline__ void named_bar_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 // Programmatic dependent launch: wait until the grids this one depends on have completed and
 // their writes are visible (a no-op for a grid launched without the attribute), and let the next
 // grid on the stream, if launched with it, be scheduled. No-ops before sm_90.

@@ -1336,8 +1336,9 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
         kernels::tma_load_4d(dst + r * (kChunkKeys * 128), p.cache_map, kBoxElems * r, (c & 1) * kChunkKeys, kv_head,
                              u.y, bar);
     };
-    wg_chunks_tma<kFp8, kP16>(st, wo, uniq, q_s, area, L.stage_bytes, stages, c_begin, c_end, rows, G, row_token, row_lo,
-                        row_hi, scale_log2, row_scale, gr.seq_len, reinterpret_cast<uint64_t*>(smem + L.bar_off), fill);
+    wg_chunks_tma<kFp8, kP16>(st, wo, uniq, q_s, area, L.stage_bytes, stages, c_begin, c_end, rows, G, row_token,
+                              row_lo, row_hi, scale_log2, row_scale, gr.seq_len,
+                              reinterpret_cast<uint64_t*>(smem + L.bar_off), fill);
   } else if constexpr (kWg) {
     wg_chunks<kFp8>(st, wo, uniq, q_s, area, L.stage_bytes, stages, c_begin, c_end, rows, G, row_token, row_lo,
                     row_hi, scale_log2, row_scale, issue);

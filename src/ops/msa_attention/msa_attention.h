@@ -55,8 +55,8 @@ struct MsaParams {
   bool pdl;                     // launch as a programmatic dependent (MsaDecodeArgs::enable_pdl)
   bool p16;                     // P V may use P rounded once to 16 bits (the args' p_residue false)
   bool pdl_trigger;             // set by the launcher: let the next PDL grid launch after the loop
-  // Set by the launcher, never by callers: the bf16 cache as a CUDA tensor map (an opaque
-  // CUtensorMap) for the bulk tensor copies of the Hopper wgmma loop.
+  // Set by the launcher, never by callers: the cache as a CUDA tensor map (an opaque CUtensorMap)
+  // for the bulk tensor copies of the Hopper wgmma loop.
   alignas(128) unsigned char cache_map[128];
 };
 

@@ -57,6 +57,7 @@ cuobjdump --dump-sass "$BUILD_DIR/libm3rt.so" 2>/dev/null | awk '
 step draft-gpu draft.log "$BUILD_DIR/m3rt" draft --device cuda --requests 4 --temperature 0.8
 [ -n "${SKIP_BENCH:-}" ] || step bench bench.log "$BUILD_DIR/m3rt" bench --json "$OUT/bench.json" ${BENCH_ARGS:-}
 [ -n "${SKIP_BENCH:-}" ] || step access-ceiling bench.log "$BUILD_DIR/m3rt_access_ceiling"
+[ -n "${SKIP_BENCH:-}" ] || step fp8-wgmma-precision bench.log "$BUILD_DIR/m3rt_fp8_wgmma_precision"
 
 {
   echo

@@ -161,7 +161,8 @@ int main() {
   }
   std::sort(sorted.begin(), sorted.end());
   constexpr int kTiles = 512;
-  const size_t na = size_t(kTiles) * kRows * kDim, nb = size_t(kTiles) * kKeys * kDim, no = size_t(kTiles) * kRows * kKeys;
+  const size_t na = size_t(kTiles) * kRows * kDim, nb = size_t(kTiles) * kKeys * kDim;
+  const size_t no = size_t(kTiles) * kRows * kKeys;
   uint8_t *da = nullptr, *db = nullptr;
   float* dout = nullptr;
   CK(cudaMalloc(&da, na));
@@ -192,7 +193,8 @@ int main() {
         for (int k = 0; k < kKeys; ++k) {
           double x = 0, y = 0;
           for (int dd = 0; dd < kDim; ++dd) {
-            const double p = table[a[(size_t(t) * kRows + r) * kDim + dd]] * table[b[(size_t(t) * kKeys + k) * kDim + dd]];
+            const double p =
+                table[a[(size_t(t) * kRows + r) * kDim + dd]] * table[b[(size_t(t) * kKeys + k) * kDim + dd]];
             x += p;
             y += std::fabs(p);
           }
@@ -228,7 +230,8 @@ int main() {
         over12 += e > 0x1p-12;
       }
       std::sort(rel.begin(), rel.end());
-      const double mx = rel.empty() ? 0 : rel.back(), p9999 = rel.empty() ? 0 : rel[size_t(0.9999 * double(rel.size() - 1))];
+      const double mx = rel.empty() ? 0 : rel.back();
+      const double p9999 = rel.empty() ? 0 : rel[size_t(0.9999 * double(rel.size() - 1))];
       std::printf("%-16s %-10s %12.3e %12.3e %12.3e %12zu %12zu%s\n", name, path == 0 ? "e4m3 k32" : "f16 k16", mx,
                   p9999, rel.empty() ? 0 : sum / double(rel.size()), over13, over12,
                   bad ? "  (NaN results: not written)" : "");

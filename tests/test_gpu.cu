@@ -541,7 +541,13 @@ TEST(GpuIndexerSelect, RowsFromGivenScoresMatchTheReferenceExactly) {
         if (!std::equal(want.begin(), want.end(), g)) {
           if (++mismatched_rows <= 5) {
             std::string w, gg;
-            for (int i = 0; i < sel.topk; ++i) w += " " + std::to_string(want[size_t(i)]), gg += " " + std::to_string(g[i]);
+            // Appended piece by piece: GCC 12 warns falsely on " " + s here (bug 105329).
+            for (int i = 0; i < sel.topk; ++i) {
+              w += ' ';
+              w += std::to_string(want[size_t(i)]);
+              gg += ' ';
+              gg += std::to_string(g[i]);
+            }
             ADD_FAILURE() << "topk " << sel.topk << " init " << sel.init_blocks << " local " << sel.local_blocks
                           << " nb " << nb << " pattern " << h << ": want" << w << "; got" << gg;
           }

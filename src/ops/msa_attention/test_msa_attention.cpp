@@ -472,6 +472,41 @@ TEST(MsaAttention, LseOptional) {
       for (int d = 0; d < 128; ++d) ASSERT_EQ(with.out(t, h, d), without.out(t, h, d));
 }
 
+TEST(MsaOracle, AbsOutIsTheMeanOfAbsV) {
+  // abs_out = sum_n p_n |v_n| / sum_n p_n (the scale of P's rounding, used by the GPU check's p16
+  // rows): at least |out| everywhere; equal to out where every visible V value is >= 0 (dim 0
+  // here), to -out where every one is <= 0 (dim 1), and to c where they are +-c (dim 2, signs
+  // alternating by key: out near 0).
+  Rng r(40);
+  SEED_TRACE(r);
+  for (bool fp8 : {false, true}) {
+    SCOPED_TRACE(fp8 ? "fp8" : "bf16");
+    Problem P{.fp8 = fp8, .Hq = 4, .Hkv = 2, .K = 4, .seq_lens = {300, 90}, .q_lens = {40, 90}};
+    P.build(r);
+    for (int b = 0; b < 2; ++b)
+      for (int64_t n = 0; n < P.seq_lens[size_t(b)]; ++n)
+        for (int g = 0; g < P.Hkv; ++g) {
+          P.set_kv(b, n, g, 128 + 0, 0.25 + 0.01 * double(n % 7));
+          P.set_kv(b, n, g, 128 + 1, -0.5 - 0.02 * double(n % 5));
+          P.set_kv(b, n, g, 128 + 2, n % 2 ? 0.75 : -0.75);
+        }
+    const detail::MsaOracle o = P.oracle();
+    int64_t rows = 0;
+    for (int64_t t = 0; t < P.T; ++t)
+      for (int h = 0; h < P.Hq; ++h) {
+        if (o.keys_at(t, h) == 0) continue;
+        ++rows;
+        const size_t i = size_t((t * P.Hq + h) * 128);
+        EXPECT_DOUBLE_EQ(o.abs_out[i], o.out[i]) << at({t, h, 0});
+        EXPECT_DOUBLE_EQ(o.abs_out[i + 1], -o.out[i + 1]) << at({t, h, 1});
+        EXPECT_NEAR(o.abs_out[i + 2], 0.75, 1e-12) << at({t, h, 2});
+        for (int d = 3; d < 128; ++d)
+          ASSERT_GE(o.abs_out[i + size_t(d)], std::fabs(o.out[i + size_t(d)]) * (1 - 1e-15)) << at({t, h, d});
+      }
+    EXPECT_EQ(rows, P.T * P.Hq);
+  }
+}
+
 TEST(MsaOracle, RoundsOnce) {
   // 1 + 2^-8 + 2^-30: float rounds it to 1 + 2^-8 (a bf16 midpoint); once-rounding goes up.
   EXPECT_EQ(detail::msa_oracle_bf16(1.0 + 0x1p-8 + 0x1p-30), 0x3F81);

@@ -47,6 +47,36 @@ inline dim3 one_wave_grid(int x_blocks, int64_t steps, int64_t resident) {
 // from several host threads, one per GPU). `fn`: a __global__ function's address.
 void raise_smem_limit(const void* fn, int smem);
 
+// A cudaLaunchKernelEx configuration with the launch attributes the Hopper kernels use: clusters of
+// `cluster_z` blocks along the grid's z (when > 1) and programmatic dependent launch (`pdl`: the
+// kernel may start while the previous one on the stream finishes; it waits for it with
+// griddepcontrol.wait). `lc` points into this object, so it is neither copied nor moved.
+struct LaunchEx {
+  cudaLaunchConfig_t lc{};
+  cudaLaunchAttribute attrs[2]{};
+  LaunchEx(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, unsigned cluster_z, bool pdl) {
+    lc.gridDim = grid;
+    lc.blockDim = block;
+    lc.dynamicSmemBytes = smem;
+    lc.stream = stream;
+    unsigned n = 0;
+    if (cluster_z > 1) {
+      attrs[n].id = cudaLaunchAttributeClusterDimension;
+      attrs[n].val.clusterDim.x = 1, attrs[n].val.clusterDim.y = 1, attrs[n].val.clusterDim.z = cluster_z;
+      ++n;
+    }
+    if (pdl) {
+      attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attrs[n].val.programmaticStreamSerializationAllowed = 1;
+      ++n;
+    }
+    lc.attrs = attrs;
+    lc.numAttrs = n;
+  }
+  LaunchEx(const LaunchEx&) = delete;
+  LaunchEx& operator=(const LaunchEx&) = delete;
+};
+
 }  // namespace m3rt::detail
 
 #define M3RT_CUDA_CHECK(expr)                                                   \

@@ -1099,17 +1099,8 @@ void indexer_decode_launch(const IndexerParams& p, CUstream_st* stream) {
       // the slots this grid's later CTAs need).
       IndexerParams call = p;
       call.pdl_trigger = int64_t(splits) * p.num_seqs * groups <= resident;
-      cudaLaunchConfig_t lc{};
-      lc.gridDim = grid;
-      lc.blockDim = dim3(unsigned(kDecodeThreads));
-      lc.dynamicSmemBytes = size_t(smem);
-      lc.stream = stream;
-      cudaLaunchAttribute attr{};
-      attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr.val.programmaticStreamSerializationAllowed = 1;
-      lc.attrs = &attr;
-      lc.numAttrs = 1;
-      M3RT_CUDA_CHECK(cudaLaunchKernelEx(&lc, sm90_kernel, call, splits, groups));
+      const detail::LaunchEx ex(grid, dim3(unsigned(kDecodeThreads)), size_t(smem), stream, 1, true);
+      M3RT_CUDA_CHECK(cudaLaunchKernelEx(&ex.lc, sm90_kernel, call, splits, groups));
     } else {
       sm90_kernel<<<grid, kDecodeThreads, smem, stream>>>(p, splits, groups);
     }

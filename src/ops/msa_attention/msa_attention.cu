@@ -1963,17 +1963,9 @@ bool cluster_merge_fits(const KernelConfig& cfg, dim3 grid, int splits) {
       cudaFuncSetAttribute(cfg.cluster_fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
     fits = false;
   if (fits) {
-    cudaLaunchConfig_t lc{};
-    lc.gridDim = grid;
-    lc.blockDim = dim3(unsigned(cfg.threads));
-    lc.dynamicSmemBytes = size_t(cfg.smem);
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = 1, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = unsigned(splits);
-    lc.attrs = &attr;
-    lc.numAttrs = 1;
+    const detail::LaunchEx ex(grid, dim3(unsigned(cfg.threads)), size_t(cfg.smem), nullptr, unsigned(splits), false);
     int clusters = 0;
-    fits = cudaOccupancyMaxActiveClusters(&clusters, cfg.cluster_fn, &lc) == cudaSuccess && clusters >= needed;
+    fits = cudaOccupancyMaxActiveClusters(&clusters, cfg.cluster_fn, &ex.lc) == cudaSuccess && clusters >= needed;
   }
   (void)cudaGetLastError();  // a refused query is an answer, not an error for the next launch
   known.push_back({dev, cfg.cluster_fn, cfg.smem, splits, needed, fits});
@@ -2050,26 +2042,9 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
     call.pdl_trigger = 2 * ctas <= slots || 20 * ctas >= 19 * slots;
   }
   if (cluster || pdl) {
-    cudaLaunchConfig_t lc{};
-    lc.gridDim = grid;
-    lc.blockDim = dim3(unsigned(cfg.threads));
-    lc.dynamicSmemBytes = size_t(cfg.smem);
-    lc.stream = stream;
-    cudaLaunchAttribute attrs[2]{};
-    unsigned n = 0;
-    if (cluster) {
-      attrs[n].id = cudaLaunchAttributeClusterDimension;
-      attrs[n].val.clusterDim.x = 1, attrs[n].val.clusterDim.y = 1, attrs[n].val.clusterDim.z = unsigned(splits);
-      ++n;
-    }
-    if (pdl) {
-      attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attrs[n].val.programmaticStreamSerializationAllowed = 1;
-      ++n;
-    }
-    lc.attrs = attrs;
-    lc.numAttrs = n;
-    M3RT_CUDA_CHECK(cudaLaunchKernelEx(&lc, cluster ? cfg.cluster_fn : cfg.fn, call, cfg.stages));
+    const detail::LaunchEx ex(grid, dim3(unsigned(cfg.threads)), size_t(cfg.smem), stream,
+                              cluster ? unsigned(splits) : 1u, pdl);
+    M3RT_CUDA_CHECK(cudaLaunchKernelEx(&ex.lc, cluster ? cfg.cluster_fn : cfg.fn, call, cfg.stages));
   } else {
     cfg.fn<<<grid, cfg.threads, cfg.smem, stream>>>(call, cfg.stages);
   }

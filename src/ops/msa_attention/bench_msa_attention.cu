@@ -201,17 +201,22 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
                   st);
         };
       };
+      // The same calls with one argument changed, timed in the same run, against `base`.
+      auto derived_row = [&](const BenchRow& base, const char* suffix, bool pdl, bool p_residue, const char* note,
+                             const char* vs) {
+        BenchRow q = base;
+        q.variant += suffix;
+        q.us = time_us(call_with(plan, pdl, p_residue), sets, true, env);
+        q.gbps = q.bytes / (q.us * 1e3);
+        q.pct_ceiling = 100.0 * q.gbps / env.copy_gbps;
+        q.note += note;
+        q.ratios = {{vs, base.us / q.us}};
+        return q;
+      };
       // dql 1 at batch <= 32: the same calls launched with PDL (each call's launch and CTA start-up
       // overlap the previous call's tail, as they would the indexer's in a decode step).
       auto pdl_row = [&](const BenchRow& base) {
-        BenchRow q = base;
-        q.variant += " pdl";
-        q.us = time_us(call_with(plan, true), sets, true, env);
-        q.gbps = q.bytes / (q.us * 1e3);
-        q.pct_ceiling = 100.0 * q.gbps / env.copy_gbps;
-        q.note += "; back-to-back calls with enable_pdl";
-        q.ratios = {{"vs without pdl", base.us / q.us}};
-        return q;
+        return derived_row(base, " pdl", true, true, "; back-to-back calls with enable_pdl", "vs without pdl");
       };
       const bool with_pdl = c.dql == 1 && c.B <= 32;
       const auto call = call_with(plan);
@@ -253,16 +258,8 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
         msa_force_baseline(false);
       }
       if (with_pdl) rows.push_back(pdl_row(r));
-      if (c.dql > 1) {  // P rounded once (MsaDecodeArgs::p_residue false), same run
-        BenchRow q = r;
-        q.variant += " p16";
-        q.us = time_us(call_with(plan, false, false), sets, true, env);
-        q.gbps = q.bytes / (q.us * 1e3);
-        q.pct_ceiling = 100.0 * q.gbps / env.copy_gbps;
-        q.note += "; P rounded once (p_residue false)";
-        q.ratios = {{"vs p_residue", r.us / q.us}};
-        rows.push_back(q);
-      }
+      if (c.dql > 1)  // P rounded once (MsaDecodeArgs::p_residue false)
+        rows.push_back(derived_row(r, " p16", false, false, "; P rounded once (p_residue false)", "vs p_residue"));
     }
   }
   if (decode_only) return rows;

@@ -175,6 +175,10 @@ void check_indexer_prefill(CheckContext& c) {
   check_indexer_variant(c, {false, 4, kM3, 0, {300, 2400, 130, 700}, {300, 100, 130, 0}});
   check_indexer_variant(c, {true, 4, kM3, 0, {2200, 129, 256}, {90, 129, 200}});
   check_indexer_variant(c, {true, 2, kInit2Local2, 0, {1500, 0, 400}, {150, 0, 400}});
+  // Head counts whose tiles leave query rows unused (3: 42 tokens, 126 of 128 rows) or hold few
+  // tokens (16: 8 tokens a tile, every page of a short request diagonal).
+  check_indexer_variant(c, {true, 3, kM3, 0, {700, 260}, {700, 60}});
+  check_indexer_variant(c, {true, 16, kInit2Local2, 0, {390}, {390}});
   // Block tables of >= 128 pages (the Hopper kernel's 16-page chunks): chunked prefills deep in
   // long contexts.
   check_indexer_variant(c, {false, 4, kM3, 0, {16500, 300}, {40, 300}});

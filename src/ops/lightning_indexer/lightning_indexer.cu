@@ -981,6 +981,205 @@ __global__ void __launch_bounds__(kSm90Threads, kSm90MinBlocks)
 #endif
 }
 
+// ------------------------------------------------------------------------------------------------
+// Prefill scoring on Hopper for an e4m3 index cache, keys as the A operand: S^T = K Q^T with
+// wgmma m64n128k16, warpgroup w taking keys 64 w .. 64 w + 63 of each page (M) against the CTA's
+// 128 query rows (N). The raw e4m3 page goes from shared memory straight into registers (two
+// 16-byte loads per key row a thread), converted there exactly to f16 A fragments: no f16 page
+// image is written and read back, and no CTA-wide conversion pass. The query rows are converted
+// once per CTA into an f16 B image (128-byte swizzle, K-major, as the page images above).
+//
+// The dims are permuted (the dot product pairs the same dims, only the order of the sum changes):
+// k-step s of lane c's A fragment takes the four bytes at dims 32 c + 4 s .. + 3 of its key row
+// (pairs 0-1 as k 2c, 2c+1; pairs 2-3 as k 2c+8, 2c+9), so lane c reads the 32 contiguous bytes
+// 32 c .. 32 c + 31 of each of its two rows; the Q image holds the same dims at those k
+// positions. A page's max over keys for query row n is then a reduction over the M dimension:
+// over the thread's two keys, over the 8 lanes of a column group (shuffles that halve the values
+// each round), and over the CTA's 8 warps through shared memory, finished for page j - 1 after
+// page j's barrier (one CTA barrier a page).
+constexpr int kSm90KaStages = 3;
+constexpr int kSm90KaRawPage = kPage * 128;         // bytes of an e4m3 page
+constexpr int kSm90KaQImage = kSm90Rows * 128 * 2;  // the f16 query rows
+constexpr int kSm90KaRed = 2 * 8 * kSm90Rows * 4;   // partial maxima [2 pages][8 warps][128 rows] fp32
+__host__ __device__ constexpr int sm90_keys_a_smem_bytes() {
+  return kSm90KaStages * kSm90KaRawPage + kSm90KaQImage + kSm90KaRed + 1024;  // +1024: alignment
+}
+
+// One round of a max over the lanes xor kHalf (kHalf = 16, 8, 4): v[0, 2 kHalf) -> v[0, kHalf),
+// the lane with bit kHalf set keeping (and receiving the partner's) upper half.
+template <int kHalf>
+__device__ __forceinline__ void max_halve(float (&v)[32], int lane) {
+  const bool up = (lane & kHalf) != 0;
+#pragma unroll
+  for (int k = 0; k < kHalf; ++k) {
+    const float send = up ? v[k] : v[k + kHalf], keep = up ? v[k + kHalf] : v[k];
+    v[k] = fmaxf(keep, __shfl_xor_sync(kFullMask, send, kHalf));
+  }
+}
+
+__global__ void __launch_bounds__(kSm90Threads, kSm90MinBlocks)
+    indexer_prefill_score_sm90_keys_a_kernel(const __grid_constant__ IndexerParams p, int tokens_per_tile,
+                                             int chunks) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023)) & 1023);
+  uint8_t* qimg = smem + kSm90KaStages * kSm90KaRawPage;
+  float* red = reinterpret_cast<float*>(qimg + kSm90KaQImage);
+  const int b = blockIdx.y;
+  // The same split as indexer_prefill_score_sm90_kernel's, spelled out for the same reason.
+  const int chunk = int(blockIdx.x) % chunks, tile = int(gridDim.x) / chunks - 1 - int(blockIdx.x) / chunks;
+  Request req;
+  if (!load_request(p, b, req)) return;
+  const int t_begin = tile * tokens_per_tile;
+  if (t_begin >= req.q_len) return;
+  const int t_end = min(req.q_len, t_begin + tokens_per_tile);
+  const int H = p.num_heads;
+  const int ctx = req.seq_len - req.q_len;
+  const int lowest_pos = ctx + t_begin;
+  const int chunk_pages = sm90_chunk_pages(p.max_blocks);
+  const int j_begin = chunk * chunk_pages;
+  const int j_end = min((ctx + t_end - 1) / kPage + 1, j_begin + chunk_pages);
+  if (j_begin >= j_end) return;
+  const int tid = threadIdx.x, lane = tid % 32, g = lane / 4, c = lane % 4;
+  const int wg = tid / 128, n0 = wg * 64 + ((tid / 32) % 4) * 16 + g;  // this thread's keys: n0, n0 + 8
+  const int valid_rows = (t_end - t_begin) * H;  // query rows past these hold zeros, never stored
+  const int64_t row0 = (int64_t(req.q_begin) + t_begin) * H;  // the tile's first (token, head) row
+  const int32_t* table = p.block_table + int64_t(b) * p.block_table_stride;
+  const char* cache = static_cast<const char*>(p.index_cache);
+  __shared__ int page_id[16];
+  if (tid < j_end - j_begin) page_id[tid] = table[j_begin + tid];
+
+  // The Q image: task (row r, k-step s) converts dims 32 c + 4 s .. + 3 (c = 0..3) of row r into
+  // k 16 s + 2 c, + 1 (16-byte chunk 2 (s % 4) of half s / 4) and 16 s + 2 c + 8, + 9 (the next
+  // chunk); chunk q of row r stored at q ^ (r % 8).
+  for (int k = tid; k < kSm90Rows * 8; k += kSm90Threads) {
+    const int r = k / 8, s = k % 8;
+    uint32_t w[4] = {0, 0, 0, 0};
+    if (r < valid_rows) {
+      const uint8_t* q = static_cast<const uint8_t*>(p.index_q) + (row0 + r) * 128 + 4 * s;
+#pragma unroll
+      for (int cc = 0; cc < 4; ++cc) w[cc] = __ldg(reinterpret_cast<const uint32_t*>(q + 32 * cc));
+    }
+    uint8_t* row = qimg + (s / 4) * (kSm90Rows * 128) + r * 128;
+    const int q0 = 2 * (s % 4);
+    *reinterpret_cast<uint4*>(row + ((q0 ^ (r & 7)) * 16)) =
+        make_uint4(e4m3x2_to_f16x2(w[0] & 0xffffu), e4m3x2_to_f16x2(w[1] & 0xffffu),
+                   e4m3x2_to_f16x2(w[2] & 0xffffu), e4m3x2_to_f16x2(w[3] & 0xffffu));
+    *reinterpret_cast<uint4*>(row + (((q0 + 1) ^ (r & 7)) * 16)) =
+        make_uint4(e4m3x2_to_f16x2(w[0] >> 16), e4m3x2_to_f16x2(w[1] >> 16), e4m3x2_to_f16x2(w[2] >> 16),
+                   e4m3x2_to_f16x2(w[3] >> 16));
+  }
+  fence_proxy_async();  // the Q image, visible to the tensor cores
+  __syncthreads();      // and page_id
+
+  auto page_ok = [&](int j) {
+    const int page = page_id[j - j_begin];
+    return page >= 0 && page < p.num_cache_blocks;
+  };
+  // A raw page: warpgroup w copies its own 64 keys (512 16-byte chunks, 4 a thread), chunk q of
+  // key n stored at q ^ (n % 8).
+  auto load_page = [&](int j, int stage) {
+    if (page_ok(j)) {
+      const int ci = tid % 128, n = wg * 64 + ci / 8;
+      const char* src = cache + int64_t(page_id[j - j_begin]) * kSm90KaRawPage + n * 128 + (ci % 8) * 16;
+      uint8_t* dst = smem + stage * kSm90KaRawPage + n * 128 + (((ci % 8) ^ (n & 7)) * 16);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) cp_async_16(dst + k * 2048, src + k * 2048);  // 16 keys on
+    }
+    cp_async_commit();
+  };
+  // Page jj's scores (threads 0..127: query row tid) from the partial maxima of the 8 warps.
+  const bool fin_row = tid < valid_rows;
+  const int fin_pos = lowest_pos + tid / H;
+  auto finish = [&](int jj) {
+    if (fin_row && jj * kPage <= fin_pos) {
+      float v = kNaN();
+      if (page_ok(jj)) {
+        const float* rr = red + ((jj - j_begin) & 1) * (8 * kSm90Rows) + tid;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) v = fmaxf(v, rr[w * kSm90Rows]);
+      }
+      p.scores[(row0 + tid) * p.max_blocks + jj] = v;
+    }
+  };
+
+#pragma unroll
+  for (int i = 0; i < kSm90KaStages - 1; ++i) {
+    if (j_begin + i < j_end)
+      load_page(j_begin + i, i);
+    else
+      cp_async_commit();
+  }
+  const uint32_t qbase = static_cast<uint32_t>(__cvta_generic_to_shared(qimg));
+  for (int j = j_begin; j < j_end; ++j) {
+    const int it = j - j_begin, stage = it % kSm90KaStages;
+    cp_async_wait<kSm90KaStages - 2>();
+    // Page j's bytes landed everywhere; page j - 1's stage read and its partial maxima written by
+    // every warp.
+    __syncthreads();
+    if (j + kSm90KaStages - 1 < j_end)
+      load_page(j + kSm90KaStages - 1, (it + kSm90KaStages - 1) % kSm90KaStages);
+    else
+      cp_async_commit();
+    if (j > j_begin) finish(j - 1);
+    const bool ok = page_ok(j);  // block-uniform
+    float d[64];
+    if (ok) {
+      const uint8_t* st = smem + stage * kSm90KaRawPage;
+      const uint4 k0a = *reinterpret_cast<const uint4*>(st + n0 * 128 + (((2 * c) ^ g) * 16));
+      const uint4 k0b = *reinterpret_cast<const uint4*>(st + n0 * 128 + (((2 * c + 1) ^ g) * 16));
+      const uint4 k1a = *reinterpret_cast<const uint4*>(st + (n0 + 8) * 128 + (((2 * c) ^ g) * 16));
+      const uint4 k1b = *reinterpret_cast<const uint4*>(st + (n0 + 8) * 128 + (((2 * c + 1) ^ g) * 16));
+      const uint32_t w0[8] = {k0a.x, k0a.y, k0a.z, k0a.w, k0b.x, k0b.y, k0b.z, k0b.w};
+      const uint32_t w1[8] = {k1a.x, k1a.y, k1a.z, k1a.w, k1b.x, k1b.y, k1b.z, k1b.w};
+      uint32_t a[8][4];
+#pragma unroll
+      for (int s = 0; s < 8; ++s) {
+        a[s][0] = e4m3x2_to_f16x2(w0[s] & 0xffffu);
+        a[s][1] = e4m3x2_to_f16x2(w1[s] & 0xffffu);
+        a[s][2] = e4m3x2_to_f16x2(w0[s] >> 16);
+        a[s][3] = e4m3x2_to_f16x2(w1[s] >> 16);
+      }
+      wgmma_fence();
+      wgmma_m64k16<128, true, false, false>(d, a[0], sw128_desc(qbase));
+#pragma unroll
+      for (int s = 1; s < 8; ++s)
+        wgmma_m64k16<128, true>(d, a[s], sw128_desc(qbase + (s / 4) * (kSm90Rows * 128) + (s % 4) * 32));
+      wgmma_commit();
+    }
+    if (ok) {
+      wgmma_wait_all();
+      // d[4 i + e]: key n0 + 8 (e / 2), query row 8 i + 2 c + (e % 2). Key position kp is hidden
+      // from row n (position lowest_pos + n / H) iff n < (kp - lowest_pos) H.
+      if (j * kPage + kPage - 1 > lowest_pos) {  // block-uniform: the diagonal pages
+        const int lim0 = (j * kPage + n0 - lowest_pos) * H, lim1 = lim0 + 8 * H;
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (8 * i + 2 * c + (e & 1) < (e < 2 ? lim0 : lim1)) d[4 * i + e] = kNaN();
+      }
+      float v[32];  // v[2 i + e]: row 8 i + 2 c + e, max over the thread's two keys
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) v[2 * i + e] = fmaxf(d[4 * i + e], d[4 * i + 2 + e]);
+      // Over g (lane bits 4, 3, 2), halving: the lane whose bit is set keeps the upper half.
+      max_halve<16>(v, lane);
+      max_halve<8>(v, lane);
+      max_halve<4>(v, lane);
+      // Lane (g, c) now holds v[2 i' + e] for i' = 2 g + 0, 1: rows 16 g + 2 c + e and 16 g + 8 + 2 c + e.
+      float* out = red + (it & 1) * (8 * kSm90Rows) + (tid / 32) * kSm90Rows + 16 * g + 2 * c;
+      *reinterpret_cast<float2*>(out) = make_float2(v[0], v[1]);
+      *reinterpret_cast<float2*>(out + 8) = make_float2(v[2], v[3]);
+    }
+  }
+  __syncthreads();
+  finish(j_end - 1);
+  cp_async_wait<0>();
+#endif
+}
+
 // Prefill selection: one warp per (token, head) row.
 constexpr int kSelectWarps = 8;
 
@@ -1007,17 +1206,19 @@ __global__ void __launch_bounds__(kSelectWarps * 32)
 }
 
 bool g_force_portable = false;
+bool g_fp8_convert_pass = false;
 
 template <bool kFp8>
 void launch_prefill_score(const IndexerParams& p, cudaStream_t stream) {
-  // Hopper: the wgmma kernel; other GPUs: the portable mma.sync kernel.
+  // Hopper: the wgmma kernels (e4m3: keys as the A operand, unless the conversion-pass kernel is
+  // forced); other GPUs: the portable mma.sync kernel.
   const bool sm90 = !g_force_portable && kernels::hopper_paths_run();
-  if (sm90)
-    detail::raise_smem_limit(reinterpret_cast<const void*>(indexer_prefill_score_sm90_kernel<kFp8>),
-                             sm90_smem_bytes<kFp8>());
-  else
-    detail::raise_smem_limit(reinterpret_cast<const void*>(indexer_prefill_score_kernel<kFp8>),
-                             prefill_smem_bytes<kFp8>());
+  const bool keys_a = kFp8 && sm90 && !g_fp8_convert_pass;
+  const void* kernel = keys_a ? reinterpret_cast<const void*>(indexer_prefill_score_sm90_keys_a_kernel)
+                       : sm90 ? reinterpret_cast<const void*>(indexer_prefill_score_sm90_kernel<kFp8>)
+                              : reinterpret_cast<const void*>(indexer_prefill_score_kernel<kFp8>);
+  const int smem = keys_a ? sm90_keys_a_smem_bytes() : sm90 ? sm90_smem_bytes<kFp8>() : prefill_smem_bytes<kFp8>();
+  detail::raise_smem_limit(kernel, smem);
   const int rows = sm90 ? kSm90Rows : kPrefillRows;
   const int chunk_pages = sm90 ? sm90_chunk_pages(p.max_blocks) : kPrefillChunkPages;
   const int tokens_per_tile = rows / p.num_heads;
@@ -1025,13 +1226,14 @@ void launch_prefill_score(const IndexerParams& p, cudaStream_t stream) {
   const int chunks = (p.max_blocks + chunk_pages - 1) / chunk_pages;
   if (tiles == 0) return;
   const dim3 grid(unsigned(tiles * chunks), unsigned(p.num_seqs));
-  if (sm90) {
-    indexer_prefill_score_sm90_kernel<kFp8>
-        <<<grid, kSm90Threads, sm90_smem_bytes<kFp8>(), stream>>>(p, tokens_per_tile, chunks);
+  if (keys_a) {
+    indexer_prefill_score_sm90_keys_a_kernel<<<grid, kSm90Threads, smem, stream>>>(p, tokens_per_tile, chunks);
+    M3RT_LAUNCH_CHECK(stream, "indexer_prefill_score_sm90_keys_a_kernel");
+  } else if (sm90) {
+    indexer_prefill_score_sm90_kernel<kFp8><<<grid, kSm90Threads, smem, stream>>>(p, tokens_per_tile, chunks);
     M3RT_LAUNCH_CHECK(stream, "indexer_prefill_score_sm90_kernel");
   } else {
-    indexer_prefill_score_kernel<kFp8>
-        <<<grid, kPrefillThreads, prefill_smem_bytes<kFp8>(), stream>>>(p, tokens_per_tile, chunks);
+    indexer_prefill_score_kernel<kFp8><<<grid, kPrefillThreads, smem, stream>>>(p, tokens_per_tile, chunks);
     M3RT_LAUNCH_CHECK(stream, "indexer_prefill_score_kernel");
   }
 }
@@ -1045,6 +1247,7 @@ void require_grid_y(const IndexerParams& p) {
 }  // namespace
 
 void indexer_force_portable(bool on) { g_force_portable = on; }
+void indexer_force_fp8_convert_pass(bool on) { g_fp8_convert_pass = on; }
 
 void indexer_prefill_score_launch(const IndexerParams& p, CUstream_st* stream) {
   require_grid_y(p);

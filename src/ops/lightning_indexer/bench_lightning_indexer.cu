@@ -170,12 +170,6 @@ std::vector<BenchRow> bench_lightning_indexer(BenchEnv& env) {
       const double portable_us = time_us(score, 1, true, env, 3);
       indexer_force_portable(false);
       r.ratios.push_back({"scoring vs mma.sync kernel", portable_us / score_us});
-      if (fp8) {  // the wgmma kernel that converts each page to an f16 image first
-        indexer_force_fp8_convert_pass(true);
-        const double convert_us = time_us(score, 1, true, env, 3);
-        indexer_force_fp8_convert_pass(false);
-        r.ratios.push_back({"scoring vs conversion-pass kernel", convert_us / score_us});
-      }
       const double flops = double(kHeads) * 128 * 2 * (double(L) * (L + 1) / 2);
       // The acceptance metric: effective TFLOP/s of the scoring kernel against the GEMM rate.
       r.tflops = flops / (score_us * 1e6);

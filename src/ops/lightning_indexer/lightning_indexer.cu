@@ -21,10 +21,11 @@
 // scratch; the last CTA of a request to arrive (a per-request counter, reset by that CTA) selects
 // every row of the request.
 // Prefill, two launches: scoring over a grid (query tiles x page chunks, requests), the longest
-// tiles first. Hopper: 2 warpgroups x 64 query rows in registers, wgmma m64n128k16 against each page
-// (128 keys, 128-byte swizzle) in shared memory, 3-stage cp.async pipeline; portable: 8 warps x 32
-// rows, mma.sync, 2 stages. Each row's masked max over a page's keys is its score. Then one warp per
-// (token, head) row selects.
+// tiles first. Hopper, bf16: 2 warpgroups x 64 query rows in registers, wgmma m64n128k16 against
+// each page (128 keys, 128-byte swizzle) in shared memory; e4m3: the page's keys as the A operand
+// (converted in registers, 64 keys a warpgroup) against the tile's 128 rows as an f16 B image;
+// both with a 3-stage cp.async pipeline. Portable: 8 warps x 32 rows, mma.sync, 2 stages. Each
+// row's masked max over a page's keys is its score. Then one warp per (token, head) row selects.
 //
 // Reference: lightning_indexer_ref.cpp; checks: check_lightning_indexer.cpp (m3rt check),
 // tests/test_gpu.cu; bench: bench_lightning_indexer.cu.
@@ -785,12 +786,13 @@ __global__ void __launch_bounds__(kPrefillThreads, 2)
 }
 
 // ------------------------------------------------------------------------------------------------
-// Prefill scoring on Hopper (sm_90a): wgmma m64n128k16, one page (128 keys) per instruction chain.
-// A CTA holds 2 warpgroups x 64 query rows (two CTAs per SM); the query rows are the A operand in
-// registers (natural dim order), the page the B operand in shared memory in the 128-byte-swizzled
-// K-major layout (two 64-dim halves of 128 keys x 128 bytes; 16-byte chunk q of key n at
-// q ^ (n % 8)). Pages stream through a 3-stage cp.async pipeline; an e4m3 page is converted to f16 in shared memory
-// first (exact), so both dtypes accumulate in fp32 like the portable kernel.
+// Prefill scoring on Hopper (sm_90a), bf16 index cache: wgmma m64n128k16, one page (128 keys) per
+// instruction chain. A CTA holds 2 warpgroups x 64 query rows (two CTAs per SM); the query rows are
+// the A operand in registers (natural dim order), the page the B operand in shared memory in the
+// 128-byte-swizzled K-major layout (two 64-dim halves of 128 keys x 128 bytes; 16-byte chunk q of
+// key n at q ^ (n % 8)). Pages stream through a 3-stage cp.async pipeline. (An e4m3 cache takes the
+// keys-as-A kernel below; converting each e4m3 page to an f16 image for this kernel's B operand
+// measured 1.13-1.16x slower on the H200, docs/perf.md.)
 constexpr int kSm90WarpGroups = 2;
 constexpr int kSm90Threads = kSm90WarpGroups * 128;
 constexpr int kSm90Rows = kSm90WarpGroups * 64;
@@ -799,11 +801,8 @@ constexpr int kSm90MinBlocks = 2;  // two CTAs per SM: one's epilogue overlaps t
 // Pages per CTA: 16 amortize the CTA's query load and pipeline fill; tables of fewer than 128
 // pages (short prefills) use 8, so the causal grid splits into more, better-balanced CTAs.
 __host__ __device__ constexpr int sm90_chunk_pages(int max_blocks) { return max_blocks >= 128 ? 16 : 8; }
-constexpr int kMmaPageBytes = kPage * 128 * 2;  // a page as the MMA reads it (bf16 or f16)
-
-template <bool kFp8>
 __host__ __device__ constexpr int sm90_smem_bytes() {
-  return kSm90Stages * kPage * 128 * (kFp8 ? 1 : 2) + (kFp8 ? kMmaPageBytes : 0) + 1024;  // +1024: alignment
+  return kSm90Stages * kPage * 128 * 2 + 1024;  // +1024: alignment
 }
 
 // Byte offset of 16-byte chunk q (0..15) of key n in a swizzled page image.
@@ -811,16 +810,13 @@ __host__ __device__ constexpr int sm90_smem_bytes() {
   return (q / 8) * (kPage * 128) + n * 128 + (((q % 8) ^ (n & 7)) * 16);
 }
 
-template <bool kFp8>
 __global__ void __launch_bounds__(kSm90Threads, kSm90MinBlocks)
     indexer_prefill_score_sm90_kernel(const __grid_constant__ IndexerParams p, int tokens_per_tile, int chunks) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
   __shared__ bool page_ok[kSm90Stages];
-  constexpr int kElemBytes = kFp8 ? 1 : 2;
-  constexpr int kRawPageBytes = kPage * 128 * kElemBytes;
+  constexpr int kPageBytes = kPage * 128 * 2;
   uint8_t* smem = smem_raw + ((1024 - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023)) & 1023);
-  uint8_t* mma_page = smem + kSm90Stages * kRawPageBytes;  // e4m3: the page converted to f16
   const int b = blockIdx.y;
   // prefill_work's split, spelled out: through the helper's struct this kernel measured 15% slower
   // (bf16 8K: 120 vs 103 µs scoring on the H200; same registers, no spills; see docs/perf.md).
@@ -847,7 +843,7 @@ __global__ void __launch_bounds__(kSm90Threads, kSm90MinBlocks)
   if (tid < j_end - j_begin) page_id[tid] = table[j_begin + tid];
 
   // A fragments: a[s] = {(row g, k 2c..2c+1), (row g+8, ...), (row g, k 2c+8..), (row g+8, ...)}
-  // of k-step s (dims 16 s ..), as bf16x2 or f16x2 words.
+  // of k-step s (dims 16 s ..), as bf16x2 words.
   uint32_t a[8][4];
   int row_pos[2];
 #pragma unroll
@@ -856,20 +852,13 @@ __global__ void __launch_bounds__(kSm90Threads, kSm90MinBlocks)
     const int t = t_begin + r / H;
     const bool valid = r < tokens_per_tile * H && t < t_end;
     row_pos[hf] = valid ? ctx + t : -1;
-    const char* q = static_cast<const char*>(p.index_q) + ((int64_t(req.q_begin) + t) * H + r % H) * 128 * kElemBytes;
+    const char* q = static_cast<const char*>(p.index_q) + ((int64_t(req.q_begin) + t) * H + r % H) * 128 * 2;
 #pragma unroll
     for (int s = 0; s < 8; ++s)
 #pragma unroll
       for (int kh = 0; kh < 2; ++kh) {
         const int d = 16 * s + 2 * c + 8 * kh;
-        uint32_t w = 0;
-        if (valid) {
-          if constexpr (kFp8)
-            w = e4m3x2_to_f16x2(__ldg(reinterpret_cast<const uint16_t*>(q + d)));
-          else
-            w = __ldg(reinterpret_cast<const uint32_t*>(q + 2 * d));
-        }
-        a[s][hf + 2 * kh] = w;
+        a[s][hf + 2 * kh] = valid ? __ldg(reinterpret_cast<const uint32_t*>(q + 2 * d)) : 0u;
       }
   }
 
@@ -879,13 +868,12 @@ __global__ void __launch_bounds__(kSm90Threads, kSm90MinBlocks)
     const bool ok = page >= 0 && page < p.num_cache_blocks;
     if (tid == 0) page_ok[stage] = ok;
     if (ok) {
-      const uint4* src = reinterpret_cast<const uint4*>(cache + int64_t(page) * kRawPageBytes) + tid;
-      // Chunk tid + 256 k: e4m3 raw (converted when consumed); bf16 swizzled, where chunk
-      // tid + 256 k lands 2048 k bytes past chunk tid (16 keys on: the same swizzle phase).
-      uint8_t* dst = smem + stage * kRawPageBytes + (kFp8 ? tid * 16 : sw128_offset(tid / 16, tid % 16));
+      const uint4* src = reinterpret_cast<const uint4*>(cache + int64_t(page) * kPageBytes) + tid;
+      // Chunk tid + 256 k, swizzled: it lands 2048 k bytes past chunk tid (16 keys on: the same
+      // swizzle phase).
+      uint8_t* dst = smem + stage * kPageBytes + sw128_offset(tid / 16, tid % 16);
 #pragma unroll
-      for (int k = 0; k < kRawPageBytes / 16 / kSm90Threads; ++k)
-        cp_async_16(dst + k * (kFp8 ? 16 * kSm90Threads : 2048), src + k * kSm90Threads);
+      for (int k = 0; k < kPageBytes / 16 / kSm90Threads; ++k) cp_async_16(dst + k * 2048, src + k * kSm90Threads);
     }
     cp_async_commit();
   };
@@ -900,28 +888,6 @@ __global__ void __launch_bounds__(kSm90Threads, kSm90MinBlocks)
   for (int j = j_begin; j < j_end; ++j) {
     const int it = j - j_begin, stage = it % kSm90Stages;
     cp_async_wait<kSm90Stages - 2>();
-    if constexpr (kFp8) {
-      __syncthreads();  // the raw page has landed everywhere; the f16 page is free
-      if (page_ok[stage]) {
-        const uint4* raw = reinterpret_cast<const uint4*>(smem + stage * kRawPageBytes) + tid;
-        // Chunk tid + 256 k: 16 e4m3 dims 16 q .. 16 q + 15 of key n = tid / 8 + 32 k (q = tid % 8),
-        // whose two f16 chunks land 4096 k bytes past key tid / 8's (32 keys on: same swizzle phase).
-        const int n = tid / 8, q = tid % 8;
-#pragma unroll
-        for (int k = 0; k < kRawPageBytes / 16 / kSm90Threads; ++k) {
-          const uint4 v = raw[k * kSm90Threads];
-          const uint32_t comp[4] = {v.x, v.y, v.z, v.w};
-          uint32_t w[8];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            w[2 * e] = e4m3x2_to_f16x2(comp[e] & 0xffffu);
-            w[2 * e + 1] = e4m3x2_to_f16x2(comp[e] >> 16);
-          }
-          *reinterpret_cast<uint4*>(mma_page + sw128_offset(n, 2 * q) + 4096 * k) = make_uint4(w[0], w[1], w[2], w[3]);
-          *reinterpret_cast<uint4*>(mma_page + sw128_offset(n, 2 * q + 1) + 4096 * k) = make_uint4(w[4], w[5], w[6], w[7]);
-        }
-      }
-    }
     fence_proxy_async();  // this thread's shared-memory writes, visible to the tensor cores
     __syncthreads();
     // The stage read in the previous iteration is free: refill it.
@@ -931,13 +897,13 @@ __global__ void __launch_bounds__(kSm90Threads, kSm90MinBlocks)
       cp_async_commit();
     float run[2] = {kNaN(), kNaN()};
     if (page_ok[stage]) {  // block-uniform
-      const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(kFp8 ? mma_page : smem + stage * kRawPageBytes));
+      const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem + stage * kPageBytes));
       float d[64];
 #pragma unroll
       for (int i = 0; i < 64; ++i) d[i] = 0.f;
       wgmma_fence();
 #pragma unroll
-      for (int s = 0; s < 8; ++s) wgmma_m64k16<128, kFp8>(d, a[s], sw128_desc(base + (s / 4) * (kPage * 128) + (s % 4) * 32));
+      for (int s = 0; s < 8; ++s) wgmma_m64k16<128, false>(d, a[s], sw128_desc(base + (s / 4) * (kPage * 128) + (s % 4) * 32));
       wgmma_commit();
       wgmma_wait_all();
       // d[4i + e]: row g + 8 (e / 2), key 8 i + 2 c + (e % 2).
@@ -1206,18 +1172,17 @@ __global__ void __launch_bounds__(kSelectWarps * 32)
 }
 
 bool g_force_portable = false;
-bool g_fp8_convert_pass = false;
 
 template <bool kFp8>
 void launch_prefill_score(const IndexerParams& p, cudaStream_t stream) {
-  // Hopper: the wgmma kernels (e4m3: keys as the A operand, unless the conversion-pass kernel is
-  // forced); other GPUs: the portable mma.sync kernel.
+  // Hopper: the wgmma kernels (bf16: the page as the B operand; e4m3: the keys as the A operand);
+  // other GPUs: the portable mma.sync kernel.
   const bool sm90 = !g_force_portable && kernels::hopper_paths_run();
-  const bool keys_a = kFp8 && sm90 && !g_fp8_convert_pass;
+  const bool keys_a = kFp8 && sm90;
   const void* kernel = keys_a ? reinterpret_cast<const void*>(indexer_prefill_score_sm90_keys_a_kernel)
-                       : sm90 ? reinterpret_cast<const void*>(indexer_prefill_score_sm90_kernel<kFp8>)
+                       : sm90 ? reinterpret_cast<const void*>(indexer_prefill_score_sm90_kernel)
                               : reinterpret_cast<const void*>(indexer_prefill_score_kernel<kFp8>);
-  const int smem = keys_a ? sm90_keys_a_smem_bytes() : sm90 ? sm90_smem_bytes<kFp8>() : prefill_smem_bytes<kFp8>();
+  const int smem = keys_a ? sm90_keys_a_smem_bytes() : sm90 ? sm90_smem_bytes() : prefill_smem_bytes<kFp8>();
   detail::raise_smem_limit(kernel, smem);
   const int rows = sm90 ? kSm90Rows : kPrefillRows;
   const int chunk_pages = sm90 ? sm90_chunk_pages(p.max_blocks) : kPrefillChunkPages;
@@ -1230,7 +1195,7 @@ void launch_prefill_score(const IndexerParams& p, cudaStream_t stream) {
     indexer_prefill_score_sm90_keys_a_kernel<<<grid, kSm90Threads, smem, stream>>>(p, tokens_per_tile, chunks);
     M3RT_LAUNCH_CHECK(stream, "indexer_prefill_score_sm90_keys_a_kernel");
   } else if (sm90) {
-    indexer_prefill_score_sm90_kernel<kFp8><<<grid, kSm90Threads, smem, stream>>>(p, tokens_per_tile, chunks);
+    indexer_prefill_score_sm90_kernel<<<grid, kSm90Threads, smem, stream>>>(p, tokens_per_tile, chunks);
     M3RT_LAUNCH_CHECK(stream, "indexer_prefill_score_sm90_kernel");
   } else {
     indexer_prefill_score_kernel<kFp8><<<grid, kPrefillThreads, smem, stream>>>(p, tokens_per_tile, chunks);
@@ -1247,7 +1212,6 @@ void require_grid_y(const IndexerParams& p) {
 }  // namespace
 
 void indexer_force_portable(bool on) { g_force_portable = on; }
-void indexer_force_fp8_convert_pass(bool on) { g_fp8_convert_pass = on; }
 
 void indexer_prefill_score_launch(const IndexerParams& p, CUstream_st* stream) {
   require_grid_y(p);

@@ -77,8 +77,5 @@ void indexer_decode_launch(const IndexerParams& p, CUstream_st* stream);
 // mma.sync) even on Hopper, where the sm_90a kernels are the default (process-wide; not
 // thread-safe).
 void indexer_force_portable(bool on);
-// Tests and benchmarks: on Hopper, score an e4m3 index cache's prefill with the kernel that
-// converts each page to an f16 image in shared memory first (the keys-as-A kernel is the default).
-void indexer_force_fp8_convert_pass(bool on);
 
 }  // namespace m3rt

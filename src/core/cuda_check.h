@@ -47,6 +47,11 @@ inline dim3 one_wave_grid(int x_blocks, int64_t steps, int64_t resident) {
 // from several host threads, one per GPU). `fn`: a __global__ function's address.
 void raise_smem_limit(const void* fn, int smem);
 
+// cudaOccupancyMaxActiveBlocksPerMultiprocessor for kernel `fn` on the current device, cached per
+// (device, kernel, block size, dynamic shared memory): launchers that size one-wave grids ask on
+// every call, and the query costs microseconds of host time. Raise `fn`'s shared-memory limit first.
+int max_active_blocks_per_sm(const void* fn, int threads, int smem);
+
 // A cudaLaunchKernelEx configuration with the launch attributes the Hopper kernels use: clusters of
 // `cluster_z` blocks along the grid's z (when > 1) and programmatic dependent launch (`pdl`: the
 // kernel may start while the previous one on the stream finishes; it waits for it with

@@ -269,6 +269,25 @@ void raise_smem_limit(const void* fn, int smem) {
     it->smem = smem;
 }
 
+int max_active_blocks_per_sm(const void* fn, int threads, int smem) {
+  int dev = 0;
+  M3RT_CUDA_CHECK(cudaGetDevice(&dev));
+  struct Known {
+    int dev;
+    const void* fn;
+    int threads, smem, blocks;
+  };
+  static std::mutex mu;
+  static std::vector<Known> known;
+  const std::lock_guard<std::mutex> lock(mu);
+  for (const Known& k : known)
+    if (k.dev == dev && k.fn == fn && k.threads == threads && k.smem == smem) return k.blocks;
+  int blocks = 0;
+  M3RT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, threads, size_t(smem)));
+  known.push_back({dev, fn, threads, smem, blocks});
+  return blocks;
+}
+
 DeviceGuard::DeviceGuard(int device) {
   int cur = 0;
   M3RT_CUDA_CHECK(cudaGetDevice(&cur));

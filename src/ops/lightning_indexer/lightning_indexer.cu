@@ -1249,8 +1249,7 @@ void indexer_decode_launch(const IndexerParams& p, CUstream_st* stream) {
   auto sm90_kernel = p.fp8 ? indexer_decode_sm90_kernel<true> : indexer_decode_sm90_kernel<false>;
   if (sm90) {
     detail::raise_smem_limit(reinterpret_cast<const void*>(sm90_kernel), smem);
-    M3RT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sm90_kernel, kDecodeThreads, smem));
-    per_sm = std::max(per_sm, 1);
+    per_sm = std::max(detail::max_active_blocks_per_sm(reinterpret_cast<const void*>(sm90_kernel), kDecodeThreads, smem), 1);
   }
   // One wave of CTAs over the batch; each CTA at least 4 pages of the widest table.
   const int resident = detail::multiprocessor_count() * per_sm;

@@ -992,20 +992,11 @@ __global__ void __launch_bounds__(kSm90Threads, kSm90MinBlocks)
   uint8_t* qimg = smem + kSm90KaStages * kSm90KaRawPage;
   float* red = reinterpret_cast<float*>(qimg + kSm90KaQImage);
   const int b = blockIdx.y;
-  // The same split as indexer_prefill_score_sm90_kernel's, spelled out for the same reason.
-  const int chunk = int(blockIdx.x) % chunks, tile = int(gridDim.x) / chunks - 1 - int(blockIdx.x) / chunks;
-  Request req;
-  if (!load_request(p, b, req)) return;
-  const int t_begin = tile * tokens_per_tile;
-  if (t_begin >= req.q_len) return;
-  const int t_end = min(req.q_len, t_begin + tokens_per_tile);
+  PrefillWork w;
+  if (!prefill_work(p, tokens_per_tile, chunks, sm90_chunk_pages(p.max_blocks), w)) return;
+  const Request& req = w.req;
+  const int t_begin = w.t_begin, t_end = w.t_end, lowest_pos = w.lowest_pos, j_begin = w.j_begin, j_end = w.j_end;
   const int H = p.num_heads;
-  const int ctx = req.seq_len - req.q_len;
-  const int lowest_pos = ctx + t_begin;
-  const int chunk_pages = sm90_chunk_pages(p.max_blocks);
-  const int j_begin = chunk * chunk_pages;
-  const int j_end = min((ctx + t_end - 1) / kPage + 1, j_begin + chunk_pages);
-  if (j_begin >= j_end) return;
   const int tid = threadIdx.x, lane = tid % 32, g = lane / 4, c = lane % 4;
   const int wg = tid / 128, n0 = wg * 64 + ((tid / 32) % 4) * 16 + g;  // this thread's keys: n0, n0 + 8
   const int valid_rows = (t_end - t_begin) * H;  // query rows past these hold zeros, never stored

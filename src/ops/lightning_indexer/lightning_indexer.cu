@@ -992,10 +992,11 @@ __global__ void __launch_bounds__(kSm90Threads, kSm90MinBlocks)
   uint8_t* qimg = smem + kSm90KaStages * kSm90KaRawPage;
   float* red = reinterpret_cast<float*>(qimg + kSm90KaQImage);
   const int b = blockIdx.y;
-  PrefillWork w;
-  if (!prefill_work(p, tokens_per_tile, chunks, sm90_chunk_pages(p.max_blocks), w)) return;
-  const Request& req = w.req;
-  const int t_begin = w.t_begin, t_end = w.t_end, lowest_pos = w.lowest_pos, j_begin = w.j_begin, j_end = w.j_end;
+  PrefillWork work;
+  if (!prefill_work(p, tokens_per_tile, chunks, sm90_chunk_pages(p.max_blocks), work)) return;
+  const Request& req = work.req;
+  const int t_begin = work.t_begin, t_end = work.t_end, lowest_pos = work.lowest_pos;
+  const int j_begin = work.j_begin, j_end = work.j_end;
   const int H = p.num_heads;
   const int tid = threadIdx.x, lane = tid % 32, g = lane / 4, c = lane % 4;
   const int wg = tid / 128, n0 = wg * 64 + ((tid / 32) % 4) * 16 + g;  // this thread's keys: n0, n0 + 8

@@ -1080,9 +1080,7 @@ __global__ void __launch_bounds__(kSm90Threads, kSm90MinBlocks)
     else
       cp_async_commit();
     if (j > j_begin) finish(j - 1);
-    const bool ok = page_ok(j);  // block-uniform
-    float d[64];
-    if (ok) {
+    if (page_ok(j)) {  // block-uniform
       const uint8_t* st = smem + stage * kSm90KaRawPage;
       const uint4 k0a = *reinterpret_cast<const uint4*>(st + n0 * 128 + (((2 * c) ^ g) * 16));
       const uint4 k0b = *reinterpret_cast<const uint4*>(st + n0 * 128 + (((2 * c + 1) ^ g) * 16));
@@ -1098,14 +1096,13 @@ __global__ void __launch_bounds__(kSm90Threads, kSm90MinBlocks)
         a[s][2] = e4m3x2_to_f16x2(w0[s] >> 16);
         a[s][3] = e4m3x2_to_f16x2(w1[s] >> 16);
       }
+      float d[64];
       wgmma_fence();
       wgmma_m64k16<128, true, false, false>(d, a[0], sw128_desc(qbase));
 #pragma unroll
       for (int s = 1; s < 8; ++s)
         wgmma_m64k16<128, true>(d, a[s], sw128_desc(qbase + (s / 4) * (kSm90Rows * 128) + (s % 4) * 32));
       wgmma_commit();
-    }
-    if (ok) {
       wgmma_wait_all();
       // d[4 i + e]: key n0 + 8 (e / 2), query row 8 i + 2 c + (e % 2). Key position kp is hidden
       // from row n (position lowest_pos + n / H) iff n < (kp - lowest_pos) H.

@@ -47,6 +47,11 @@ inline dim3 one_wave_grid(int x_blocks, int64_t steps, int64_t resident) {
 // from several host threads, one per GPU). `fn`: a __global__ function's address.
 void raise_smem_limit(const void* fn, int smem);
 
+// The launchers' environment switches (benchmarks and checks): `NAME=0` turns a path off; a
+// numeric override replaces a tuned value when set and non-empty.
+bool switched_off(const char* name);
+int env_int(const char* name, int fallback);
+
 // cudaOccupancyMaxActiveBlocksPerMultiprocessor for kernel `fn` on the current device, cached per
 // (device, kernel, block size, dynamic shared memory): launchers that size one-wave grids ask on
 // every call, and the query costs microseconds of host time. Raise `fn`'s shared-memory limit first.

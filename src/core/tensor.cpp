@@ -269,6 +269,15 @@ void raise_smem_limit(const void* fn, int smem) {
     it->smem = smem;
 }
 
+bool switched_off(const char* name) {
+  const char* env = std::getenv(name);
+  return env && std::string(env) == "0";
+}
+int env_int(const char* name, int fallback) {
+  const char* env = std::getenv(name);
+  return env && *env ? std::atoi(env) : fallback;
+}
+
 int max_active_blocks_per_sm(const void* fn, int threads, int smem) {
   int dev = 0;
   M3RT_CUDA_CHECK(cudaGetDevice(&dev));

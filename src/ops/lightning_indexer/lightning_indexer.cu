@@ -1244,7 +1244,8 @@ void indexer_decode_launch(const IndexerParams& p, CUstream_st* stream) {
   const int resident = detail::multiprocessor_count() * per_sm;
   const int by_wave = std::max(1, resident / std::max(1, p.num_seqs * groups));
   const int by_pages = std::max(1, (p.max_blocks + 3) / 4);
-  const int splits = std::min(by_wave, by_pages);
+  const int splits = std::clamp(detail::env_int("M3RT_INDEXER_SPLITS", std::min(by_wave, by_pages)), 1,
+                                std::max(1, p.max_blocks));  // tuning knob for benches
   const dim3 grid(unsigned(splits), unsigned(p.num_seqs), unsigned(groups));
   if (sm90) {
     if (p.pdl) {

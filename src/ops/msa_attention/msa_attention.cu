@@ -1783,16 +1783,8 @@ __global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
 
 bool g_force_baseline = false;
 
-// The launchers' environment switches (benchmarks and checks): `NAME=0` turns a path off; a
-// numeric override replaces a tuned value when set and non-empty.
-bool switched_off(const char* name) {
-  const char* env = std::getenv(name);
-  return env && std::string(env) == "0";
-}
-int env_int(const char* name, int fallback) {
-  const char* env = std::getenv(name);
-  return env && *env ? std::atoi(env) : fallback;
-}
+using detail::env_int;
+using detail::switched_off;
 
 // The kernel instance and its shared memory for a call. A grid no larger than the GPU (one CTA per
 // SM) or groups of more than 64 rows: 8 warps, one CTA per SM, as many 64-key stages as fit (at

@@ -61,6 +61,7 @@ using kernels::smem_u32;
 using kernels::sw128_desc;
 using kernels::wgmma_commit;
 using kernels::wgmma_fence;
+using kernels::wgmma_k128;
 using kernels::wgmma_m64k16;
 using kernels::wgmma_wait_all;
 
@@ -1098,10 +1099,7 @@ __global__ void __launch_bounds__(kSm90Threads, kSm90MinBlocks)
       }
       float d[64];
       wgmma_fence();
-      wgmma_m64k16<128, true, false, false>(d, a[0], sw128_desc(qbase));
-#pragma unroll
-      for (int s = 1; s < 8; ++s)
-        wgmma_m64k16<128, true>(d, a[s], sw128_desc(qbase + (s / 4) * (kSm90Rows * 128) + (s % 4) * 32));
+      wgmma_k128<128, true>(d, a, qbase, kSm90Rows * 128);
       wgmma_commit();
       wgmma_wait_all();
       // d[4 i + e]: key n0 + 8 (e / 2), query row 8 i + 2 c + (e % 2). Key position kp is hidden

@@ -758,10 +758,7 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
     } else {
       float s[32];
       wgmma_fence();
-      wgmma_m64k16<64, kFp8, false, false>(s, qa[0], sw128_desc(sa));
-#pragma unroll
-      for (int ks = 1; ks < 8; ++ks)
-        wgmma_m64k16<64, kFp8>(s, qa[ks], sw128_desc(sa + (ks / 4) * (kChunkKeys * 128) + (ks % 4) * 32));
+      wgmma_k128<64, kFp8>(s, qa, sa, kChunkKeys * 128);
       wgmma_commit();
       // The chunk keys each row sees (empty when its token did not select the chunk).
       const int chunk_pos = u.x * kPage + (cc & 1) * kChunkKeys;
@@ -922,12 +919,7 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
       }
     }
     float s[32];
-    auto qk = [&] {
-      wgmma_m64k16<64, kFp8, false, false>(s, qa[0], sw128_desc(sa));
-#pragma unroll
-      for (int ks = 1; ks < 8; ++ks)
-        wgmma_m64k16<64, kFp8>(s, qa[ks], sw128_desc(sa + (ks / 4) * (kChunkKeys * 128) + (ks % 4) * 32));
-    };
+    auto qk = [&] { wgmma_k128<64, kFp8>(s, qa, sa, kChunkKeys * 128); };
     const int prev_slot = slot == 0 ? stages - 1 : slot - 1;
     const int this_slot = slot;
     if (++slot == stages) slot = 0, phase ^= 1;

@@ -3,7 +3,8 @@
 // 128 keys) with wgmma m64n128k32 on e4m3 operands, and, from the same values converted exactly
 // to f16, with m64n128k16 (what the indexer's prefill kernel does today). Every result is compared
 // with the exact dot (double) relative to sum_d |q_d k_d|, the bound the indexer's GPU check
-// scales its tolerance (2^-12) by. Standalone (no m3rt library); built as m3rt_fp8_wgmma_precision
+// scales its tolerance (2^-12) by. Standalone (no m3rt library; the device helpers of
+// src/ops/common/sm90.cuh and mma.cuh); built as m3rt_fp8_wgmma_precision
 // in CUDA builds with sm_90a code; run on an H100/H200: build/m3rt_fp8_wgmma_precision.
 // Data: e4m3 values of uniform(-2, 2) (the indexer check's), of N(0, 1), and of a wide dynamic range
 // (sign x 2^uniform(-8, 8)), each rounded to the nearest e4m3 code. Results (H200, 2026-12-01) in
@@ -20,6 +21,8 @@
 #include <random>
 #include <vector>
 
+#include "ops/common/sm90.cuh"
+
 #define CK(x)                                                                    \
   do {                                                                           \
     cudaError_t e = (x);                                                         \
@@ -34,10 +37,7 @@ namespace {
 constexpr int kRows = 64, kKeys = 128, kDim = 128;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(16 >> 4) << 16) | (uint64_t(1024 >> 4) << 32) |
-         (uint64_t(1) << 62);
-}
+using namespace m3rt::kernels;
 #define REGS64                                                                                                       \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
   "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "   \
@@ -80,29 +80,25 @@ __global__ void __launch_bounds__(128) tile_kernel(const uint8_t* a_codes, const
       } else {
         const uint32_t w[2] = {v.x, v.y};
         uint32_t h[4];
-        for (int e = 0; e < 4; ++e) {
-          const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(
-              static_cast<__nv_fp8x2_storage_t>((w[e / 2] >> (16 * (e % 2))) & 0xffffu), __NV_E4M3);
-          h[e] = uint32_t(hr.x) | (uint32_t(hr.y) << 16);
-        }
+        for (int e = 0; e < 4; ++e) h[e] = e4m3x2_to_f16x2((w[e / 2] >> (16 * (e % 2))) & 0xffffu);
         *reinterpret_cast<uint4*>(row) = make_uint4(h[0], h[1], h[2], h[3]);
       }
     }
   };
   put(sa, kRows, ga);
   put(sb, kKeys, gb);
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  fence_proxy_async();
   __syncthreads();
   float d[64];
   for (int i = 0; i < 64; ++i) d[i] = 0.f;
   const uint32_t a0 = uint32_t(__cvta_generic_to_shared(sa)), b0 = uint32_t(__cvta_generic_to_shared(sb));
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+  wgmma_fence();
   constexpr int kSteps = kFp8 ? kDim / 32 : kDim / 16;
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) {
     // Step s: 32 bytes of every row (k32 e4m3 or k16 f16), in region s / 4.
-    const uint64_t da = desc_sw128(a0 + (s / 4) * (kRows * 128) + (s % 4) * 32);
-    const uint64_t db = desc_sw128(b0 + (s / 4) * (kKeys * 128) + (s % 4) * 32);
+    const uint64_t da = sw128_desc(a0 + (s / 4) * (kRows * 128) + (s % 4) * 32);
+    const uint64_t db = sw128_desc(b0 + (s / 4) * (kKeys * 128) + (s % 4) * 32);
     if constexpr (kFp8)
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
                    "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " REGS64 ", %64, %65, p, 1, 1;\n}\n"
@@ -114,8 +110,8 @@ __global__ void __launch_bounds__(128) tile_kernel(const uint8_t* a_codes, const
                    : ACC64
                    : "l"(da), "l"(db), "r"(1));
   }
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  wgmma_commit();
+  wgmma_wait_all();
   // d[4 i + e]: row 16 w + g + 8 (e / 2), key 8 i + 2 c + (e % 2).
   const int w = tid / 32, g = (tid % 32) / 4, c = tid % 4;
   float* o = out + size_t(blockIdx.x) * kRows * kKeys;

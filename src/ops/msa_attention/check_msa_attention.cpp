@@ -200,29 +200,31 @@ void add_out_row(CheckContext& c, const Tensor& got, const Tensor& want, double 
   c.rows.back().unit = std::string(code_unit(DType::kBFloat16)) + " or " + buf + " abs";
 }
 
-// One row for lse ([T, Hq] fp32, host) against `want`: relative error |got - want| / max(|want|, 1)
-// in ppm; -inf must match -inf exactly, NaN never passes.
-void add_lse_row(CheckContext& c, const Tensor& got, const std::vector<double>& want, double rel_tol) {
+// One check row of `n` elements scored one by one: score(i) = {error in the row's unit, whether it
+// is out of tolerance, got, want}; where(i) names the element. The row reports the worst error and
+// the first five failures.
+struct ElementScore {
+  double err;
+  bool failed;
+  double got, want;
+};
+template <class Score, class Where>
+void add_scored_row(CheckContext& c, std::string variant, const char* output, const char* unit, double tolerance,
+                    int64_t n, Score&& score, Where&& where) {
   CheckRow row;
   row.op = c.op;
-  row.variant = c.variant;
+  row.variant = std::move(variant);
   row.device = c.device.str();
-  row.output = "lse";
-  row.unit = "rel ppm";
-  row.tolerance = rel_tol / kPpm;
-  const int64_t H = got.view().shape[1];
+  row.output = output;
+  row.unit = unit;
+  row.tolerance = tolerance;
   int64_t failed = 0;
   std::string first;
-  for (int64_t i = 0; i < got.numel(); ++i) {
-    const double g = got.ptr<float>()[i], w = want[size_t(i)];
-    double err = 0;
-    if (std::isinf(w) || std::isinf(g)) err = g == w ? 0 : INFINITY;
-    else err = std::isnan(g) || std::isnan(w) ? INFINITY : std::fabs(g - w) / std::max(std::fabs(w), 1.0);
-    std::string where = "[";  // appended, not "[" + ...: GCC 12 warns falsely there (bug 105329)
-    where += std::to_string(i / H) + ", " + std::to_string(i % H) + "]";
+  for (int64_t i = 0; i < n; ++i) {
+    const ElementScore e = score(i);
     ++row.checked;
-    if (err / kPpm > row.worst || row.where.empty()) row.worst = err / kPpm, row.where = where;
-    if (err > rel_tol && ++failed <= 5) first += where + " got " + num(g) + " want " + num(w) + "; ";
+    if (e.err > row.worst || row.where.empty()) row.worst = e.err, row.where = where(i);
+    if (e.failed && ++failed <= 5) first += where(i) + " got " + num(e.got) + " want " + num(e.want) + "; ";
   }
   row.pass = failed == 0;
   if (!row.pass)
@@ -231,39 +233,48 @@ void add_lse_row(CheckContext& c, const Tensor& got, const std::vector<double>& 
   c.rows.push_back(row);
 }
 
+// One row for lse ([T, Hq] fp32, host) against `want`: relative error |got - want| / max(|want|, 1)
+// in ppm; -inf must match -inf exactly, NaN never passes.
+void add_lse_row(CheckContext& c, const Tensor& got, const std::vector<double>& want, double rel_tol) {
+  const int64_t H = got.view().shape[1];
+  add_scored_row(
+      c, c.variant, "lse", "rel ppm", rel_tol / kPpm, got.numel(),
+      [&](int64_t i) {
+        const double g = got.ptr<float>()[i], w = want[size_t(i)];
+        double err = 0;
+        if (std::isinf(w) || std::isinf(g)) err = g == w ? 0 : INFINITY;
+        else err = std::isnan(g) || std::isnan(w) ? INFINITY : std::fabs(g - w) / std::max(std::fabs(w), 1.0);
+        return ElementScore{err / kPpm, err > rel_tol, g, w};
+      },
+      [&](int64_t i) {
+        std::string where = "[";  // appended, not "[" + ...: GCC 12 warns falsely there (bug 105329)
+        where += std::to_string(i / H) + ", " + std::to_string(i % H) + "]";
+        return where;
+      });
+}
+
 // The output with P rounded once (p_residue false) against the reference `want`: element i may
 // differ by the default GPU tolerance (3 bf16 ulps of want or 8e-4) plus P's rounding bound
 // u * abs_out[i] (msa_oracle: sum_n p_n |v_n| / sum_n p_n; u = 2^-8 for bf16 P, 2^-11 for the f16 P
 // of an fp8 cache). The row reports |got - want| in percent of that allowance (tolerance 100).
 void add_p16_out_row(CheckContext& c, const Tensor& got, const Tensor& want, const std::vector<double>& abs_out,
                      bool fp8) {
-  CheckRow row;
-  row.op = c.op;
-  row.variant = c.variant + " p16";
-  row.device = c.device.str();
-  row.output = "out";
-  row.unit = "% of bound";
-  row.tolerance = 100;
   const double u = fp8 ? 0x1p-11 : 0x1p-8;
   const int64_t H = got.view().shape[1];
-  int64_t failed = 0;
-  std::string first;
-  for (int64_t i = 0; i < got.numel(); ++i) {
-    const double g = bf16_to_float(got.ptr<uint16_t>()[i]), w = bf16_to_float(want.ptr<uint16_t>()[i]);
-    const double ulp = w == 0 ? 0 : std::ldexp(1.0, std::ilogb(w) - 7);
-    const double allowed = std::max(kGpuUlps * ulp, kGpuAbs) + u * abs_out[size_t(i)];
-    const double ratio = std::isnan(g) || std::isnan(w) ? INFINITY : 100 * std::fabs(g - w) / allowed;
-    std::string where = "[";
-    where += std::to_string(i / (H * 128)) + ", " + std::to_string(i / 128 % H) + ", " + std::to_string(i % 128) + "]";
-    ++row.checked;
-    if (ratio > row.worst || row.where.empty()) row.worst = ratio, row.where = where;
-    if (!(ratio <= 100) && ++failed <= 5) first += where + " got " + num(g) + " want " + num(w) + "; ";
-  }
-  row.pass = failed == 0;
-  if (!row.pass)
-    row.message = std::to_string(failed) + " of " + std::to_string(row.checked) +
-                  " elements out of tolerance: " + first;
-  c.rows.push_back(row);
+  add_scored_row(
+      c, c.variant + " p16", "out", "% of bound", 100, got.numel(),
+      [&](int64_t i) {
+        const double g = bf16_to_float(got.ptr<uint16_t>()[i]), w = bf16_to_float(want.ptr<uint16_t>()[i]);
+        const double ulp = w == 0 ? 0 : std::ldexp(1.0, std::ilogb(w) - 7);
+        const double allowed = std::max(kGpuUlps * ulp, kGpuAbs) + u * abs_out[size_t(i)];
+        const double ratio = std::isnan(g) || std::isnan(w) ? INFINITY : 100 * std::fabs(g - w) / allowed;
+        return ElementScore{ratio, !(ratio <= 100), g, w};
+      },
+      [&](int64_t i) {
+        std::string where = "[";
+        where += std::to_string(i / (H * 128)) + ", " + std::to_string(i / 128 % H) + ", " + std::to_string(i % 128) + "]";
+        return where;
+      });
 }
 
 void check_msa_variant(CheckContext& c, const MsaVariant& v) {

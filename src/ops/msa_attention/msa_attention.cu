@@ -1971,12 +1971,18 @@ int msa_decode_splits(int batch, int dql, int num_heads, int num_kv_heads, int t
   // (an extra split adds a merge and a CTA's start-up cost; a co-resident CTA hides latency). H200,
   // M3 shapes, 32K, every batch 1..64 against splits 1..16 (docs/perf.md): this rule is within 7.5%
   // of the best split count everywhere (1.2% on average); filling every slot was up to 23% off
-  // (bf16 batch 4, e4m3 batch 8). Batch 1 16 splits, 32 2 (both dtypes), 64 and more 1.
+  // (bf16 batch 4, e4m3 batch 8). Batch 1 16 splits, 32 2 (e4m3; bf16 1, below), 64 and more 1.
   const int64_t chunks = 2 * int64_t(std::min(tg * topk, max_blocks));
   const int64_t cap = std::min<int64_t>(chunks, kMaxSplits);
   const bool d1 = use_decode1(dql);
   const int64_t slots = int64_t(detail::multiprocessor_count()) * (d1 ? d1_ctas_per_sm(fp8) : 1);
   int64_t splits = std::clamp<int64_t>(d1 ? (3 * slots + 2 * pairs) / (4 * pairs) : slots / pairs, 1, cap);
+  // bf16 pages: once the pairs alone give (almost) every SM a CTA, one split (no merge) beats
+  // filling the second slot (H200, batch 32 = 128 pairs on 132 SMs: 39.2-39.5 us at 1 split
+  // against 41.6-41.8 at the rule's 2, three runs; batch 24 keeps 2 splits: 34.8-35.4 against
+  // 38.3-38.4). e4m3 keeps the rule: one e4m3 CTA per SM does not hide its conversions (batch 32
+  // at 1 split 36.1-36.2 us against 30.4-30.7 at 2; batch 48, session 9: 46.4 against 38.1).
+  if (d1 && !fp8 && 20 * pairs >= 19 * int64_t(detail::multiprocessor_count())) splits = 1;
   splits = std::clamp<int64_t>(env_int("M3RT_MSA_SPLITS", int(splits)), 1, cap);  // tuning knob for benches
   return int(splits);
 }

@@ -2021,15 +2021,16 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   }
   const bool pdl = p.pdl && kernels::hopper_paths_run();
   // msa_decode1_kernel lets the next PDL grid launch after its chunk loop when that grid's waiting
-  // CTAs cannot crowd SMs unevenly: when they all fit in the free slots beside this grid, or when
-  // there are (almost) none. Between those (H200, e4m3 batch 32: 256 CTAs in 396 slots) they took
-  // the free slots first and the call ran 0.86x; batch 1 (64 CTAs) and bf16 batch 32 (256 in 264)
-  // gained 1.04x / 1.02x, and without the trigger every row ran as without PDL (H200, c8ea3ab).
+  // CTAs cannot crowd SMs unevenly: when they all find SMs this grid leaves idle, or when there are
+  // (almost) no free slots. Between those (H200, e4m3 batch 32: 256 CTAs in 396 slots; bf16 batch
+  // 32 at one split: 128 CTAs on 132 SMs) they took the free slots first, doubled up on a few SMs,
+  // and the call ran 0.86x; batch 1 (64 CTAs) and bf16 batch 32 at two splits (256 in 264) gained
+  // 1.04x / 1.02x, and without the trigger every row ran as without PDL (H200, c8ea3ab, bd77f90).
   // The general kernel never triggers (its grid ends at its exit, as without PDL).
   if (pdl && d1) {
-    const int64_t ctas = int64_t(grid.x) * grid.y * grid.z;
-    const int64_t slots = int64_t(detail::multiprocessor_count()) * d1_ctas_per_sm(p.fp8);
-    call.pdl_trigger = 2 * ctas <= slots || 20 * ctas >= 19 * slots;
+    const int64_t ctas = int64_t(grid.x) * grid.y * grid.z, sms = detail::multiprocessor_count();
+    const int64_t slots = sms * d1_ctas_per_sm(p.fp8);
+    call.pdl_trigger = 2 * ctas <= sms || 20 * ctas >= 19 * slots;
   }
   if (cluster || pdl) {
     const detail::LaunchEx ex(grid, dim3(unsigned(cfg.threads)), size_t(cfg.smem), stream,

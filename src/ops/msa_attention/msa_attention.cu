@@ -1528,17 +1528,26 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
 // (a union of pages over tokens, per-token masks, tiles) is gone: warp 0 reads the token's ids,
 // keeps each visible id's first entry (one match per 32 entries), reads its page and lists the
 // entry's visible 64-key halves in list order; split s of S takes list chunks [s C / S,
-// (s + 1) C / S). Small shared memory (bf16: 3 stages of 32 KiB, two CTAs an SM; e4m3: 4 of 16
-// KiB, three CTAs an SM) and at most 168 registers let CTAs share an SM, so small batches split
-// into enough CTAs to fill the GPU and one CTA's dependent chain overlaps the others'. Splits merge
-// in a cluster (Hopper, cluster_merge) or through global memory (global_split_merge), the general
-// kernel's arithmetic.
-// Stages x CTAs per SM measured on the H200 (M3 shapes, 32K, one device call; bench rows
-// decode B32 / B128): bf16 2 x 3: 45.3 / 159.4 us, 3 x 2: 42.7 (2 splits) / 137.0 us, 4 x 1:
-// 61.6 / 165.0 us; e4m3 3 x 3, 4 x 3 and 6 x 2 within 32-45 / 96-98 us, 4 x 3 kept.
+// (s + 1) C / S). Small shared memory (bf16: 3 stages of 32 KiB, two CTAs an SM; e4m3: 2 of 16
+// KiB, four CTAs an SM) and few registers (bf16 168, e4m3 128) let CTAs share an SM, so small
+// batches split into enough CTAs to fill the GPU and one CTA's dependent chain overlaps the
+// others'. Splits merge in a cluster (Hopper, cluster_merge) or through global memory
+// (global_split_merge), the general kernel's arithmetic.
+// Stages x CTAs per SM measured on the H200 (M3 shapes, 32K; bench rows decode B32 / B128):
+// bf16 2 x 3: 45.3 / 159.4 us, 3 x 2: 42.7 (2 splits) / 137.0 us, 4 x 1: 61.6 / 165.0 us (session
+// 8). e4m3 3 x 3, 4 x 3 and 6 x 2 within 32-45 / 96-98 us (session 8); then at 128 registers
+// (session 16, one device call, the splits of msa_decode_splits): 2 x 4 28.7 / 75.8 us, 3 x 4 29.1
+// / 76.9 against 4 x 3's 29.8-29.9 / 90.0-90.2 (batch 128: 512 CTAs, one wave in 528 slots
+// instead of 1.3 in 396).
 constexpr int kD1Threads = 128, kD1Rows = 16, kD1Parts = kD1Threads / 32;
-constexpr int kD1MaxCtasPerSm = 3;
-__host__ __device__ constexpr int d1_ctas_per_sm(bool fp8) { return fp8 ? 3 : 2; }
+// CTAs an SM: bf16 two (its shared memory), e4m3 four. The register cap: three CTAs' worth (168)
+// for bf16, whose code is faster with them; 128 for e4m3 (no spills in the plain instance, 8 bytes
+// in the cluster one's merge).
+__host__ __device__ constexpr int d1_ctas_per_sm(bool fp8) { return fp8 ? 4 : 2; }
+__host__ __device__ constexpr int d1_register_ctas(bool fp8) { return fp8 ? 4 : 3; }
+// 64-key stages a CTA: e4m3 two (fewer bytes queued in a saturated memory system: 2 stages ran
+// every batch 1..128 as fast or faster than 3, H200, session 16), bf16 as many as fit its share
+// of the SM (three on an H200).
 
 struct D1Layout {
   int stage_bytes, stages, q_off, list_off, ml_off, misc_off, qf_off, total;
@@ -1559,7 +1568,7 @@ __host__ __device__ inline D1Layout d1_layout(bool fp8, int stages) {
 }
 
 template <bool kFp8, bool kCluster>
-__global__ void __launch_bounds__(kD1Threads, kD1MaxCtasPerSm)
+__global__ void __launch_bounds__(kD1Threads, d1_register_ctas(kFp8))
     msa_decode1_kernel(const __grid_constant__ MsaParams p, int stages) {
   kernels::grid_dependency_wait();  // launched with PDL (p.pdl): nothing is read before this
   extern __shared__ __align__(128) char smem[];
@@ -1893,8 +1902,8 @@ bool use_decode1(int decode_query_len) {
   return !switched_off("M3RT_MSA_DECODE1");
 }
 
-// msa_decode1_kernel's instance and shared memory: d1_ctas_per_sm CTAs per SM, as many 64-key
-// stages as fit their share (bf16 3, e4m3 4 on an H200), at most 8.
+// msa_decode1_kernel's instance and shared memory: d1_ctas_per_sm CTAs per SM; bf16 as many 64-key
+// stages as fit their share (3 on an H200, at most 8), e4m3 2.
 KernelConfig decode1_config(bool fp8) {
   int dev = 0, per_sm = 0, optin = 0;
   M3RT_CUDA_CHECK(cudaGetDevice(&dev));
@@ -1903,7 +1912,7 @@ KernelConfig decode1_config(bool fp8) {
   const D1Layout base = d1_layout(fp8, 0);
   const int fixed = base.total - base.q_off;
   const int most = std::min(8, (optin - fixed) / base.stage_bytes);  // 2 fit any sm_80+ GPU
-  int stages = std::clamp((per_sm / d1_ctas_per_sm(fp8) - 1024 - fixed) / base.stage_bytes, 2, most);
+  int stages = fp8 ? 2 : std::clamp((per_sm / d1_ctas_per_sm(fp8) - 1024 - fixed) / base.stage_bytes, 2, most);
   stages = std::clamp(env_int("M3RT_MSA_D1_STAGES", stages), 2, most);  // tuning knob for benches
   KernelConfig cfg{};
   cfg.fn = fp8 ? msa_decode1_kernel<true, false> : msa_decode1_kernel<false, false>;
@@ -1967,22 +1976,25 @@ int msa_decode_splits(int batch, int dql, int num_heads, int num_kv_heads, int t
   // The general kernel, one CTA per SM: more splits add a merge and a per-CTA start-up cost that
   // outweigh the second CTA an SM could hold (H200, M3 shapes: batch 32 at 1 split 47 us vs 2
   // splits 51 us; batch 1 at 16 splits 19 us vs 1 split 45 us).
-  // msa_decode1_kernel: splits that fill about 3/4 of its d1_ctas_per_sm CTAs per SM, rounded
-  // (an extra split adds a merge and a CTA's start-up cost; a co-resident CTA hides latency). H200,
-  // M3 shapes, 32K, every batch 1..64 against splits 1..16 (docs/perf.md): this rule is within 7.5%
-  // of the best split count everywhere (1.2% on average); filling every slot was up to 23% off
-  // (bf16 batch 4, e4m3 batch 8). Batch 1 16 splits, 32 2 (e4m3; bf16 1, below), 64 and more 1.
+  // msa_decode1_kernel: splits for about 1.5 (bf16) or 2.25 (e4m3) CTAs per SM, rounded (an extra
+  // split adds a merge and a CTA's start-up cost; a co-resident CTA hides latency). H200, M3
+  // shapes, 32K, every batch 1..64 against splits 1..16 (docs/perf.md; sessions 9 and 16): within
+  // 7.5% of the best split count everywhere (1.2% on average in session 9; e4m3 at four CTAs an SM
+  // in session 16 within 5.5%, worst at batch 24); filling every slot was up to 23% off (bf16 batch
+  // 4, e4m3 batch 8). Batch 1 16 splits, 32 2 (e4m3; bf16 1, below), 64 and more 1. (These targets
+  // are 3/4 of the 2 and 3 CTAs an SM the kernel held when they were set; e4m3 holds 4 since.)
   const int64_t chunks = 2 * int64_t(std::min(tg * topk, max_blocks));
   const int64_t cap = std::min<int64_t>(chunks, kMaxSplits);
   const bool d1 = use_decode1(dql);
-  const int64_t slots = int64_t(detail::multiprocessor_count()) * (d1 ? d1_ctas_per_sm(fp8) : 1);
-  int64_t splits = std::clamp<int64_t>(d1 ? (3 * slots + 2 * pairs) / (4 * pairs) : slots / pairs, 1, cap);
+  const int64_t sms = detail::multiprocessor_count();
+  const int64_t quarters = d1 ? (fp8 ? 9 : 6) : 0;  // the d1 target in quarter CTAs an SM
+  int64_t splits = std::clamp<int64_t>(d1 ? (quarters * sms + 2 * pairs) / (4 * pairs) : sms / pairs, 1, cap);
   // bf16 pages: once the pairs alone give (almost) every SM a CTA, one split (no merge) beats
   // filling the second slot (H200, batch 32 = 128 pairs on 132 SMs: 39.2-39.5 us at 1 split
   // against 41.6-41.8 at the rule's 2, three runs; batch 24 keeps 2 splits: 34.8-35.4 against
   // 38.3-38.4). e4m3 keeps the rule: one e4m3 CTA per SM does not hide its conversions (batch 32
   // at 1 split 36.1-36.2 us against 30.4-30.7 at 2; batch 48, session 9: 46.4 against 38.1).
-  if (d1 && !fp8 && 20 * pairs >= 19 * int64_t(detail::multiprocessor_count())) splits = 1;
+  if (d1 && !fp8 && 20 * pairs >= 19 * sms) splits = 1;
   splits = std::clamp<int64_t>(env_int("M3RT_MSA_SPLITS", int(splits)), 1, cap);  // tuning knob for benches
   return int(splits);
 }

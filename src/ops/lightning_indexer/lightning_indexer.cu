@@ -1221,38 +1221,106 @@ void indexer_prefill_launch(const IndexerParams& p, CUstream_st* stream) {
   indexer_prefill_select_launch(p, stream);
 }
 
-void indexer_decode_launch(const IndexerParams& p, CUstream_st* stream) {
+namespace {
+
+// The decode launch's geometry: grid (splits, requests, row groups), dynamic shared memory, and the
+// CTAs a SM can hold (the split count's basis).
+struct DecodeGrid {
+  int splits, groups, smem, resident;
+  bool sm90;
+};
+
+DecodeGrid decode_grid(const IndexerParams& p) {
   require_grid_y(p);
+  DecodeGrid d{};
   const int rows = p.decode_query_len * p.num_heads;
-  const int groups = (rows + kDecodeRows - 1) / kDecodeRows;
+  d.groups = (rows + kDecodeRows - 1) / kDecodeRows;
   const int n_tiles = (std::min(rows, kDecodeRows) + 7) / 8;
-  const bool sm90 = !g_force_portable && kernels::hopper_paths_run();
+  d.sm90 = !g_force_portable && kernels::hopper_paths_run();
   // Hopper: two pages per CTA in flight through shared memory; CTAs per SM as the shared memory
   // allows. Portable: four CTAs per SM, a warp per page.
-  const int smem = sm90 ? kDecodeStages * (p.fp8 ? decode_sm90_page_bytes<true>() : decode_sm90_page_bytes<false>()) +
-                              n_tiles * 8 * 32 * int(sizeof(uint2))
-                        : 0;
+  d.smem = d.sm90 ? kDecodeStages * (p.fp8 ? decode_sm90_page_bytes<true>() : decode_sm90_page_bytes<false>()) +
+                        n_tiles * 8 * 32 * int(sizeof(uint2))
+                  : 0;
   int per_sm = kDecodeMinBlocks;
-  auto sm90_kernel = p.fp8 ? indexer_decode_sm90_kernel<true> : indexer_decode_sm90_kernel<false>;
-  if (sm90) {
-    detail::raise_smem_limit(reinterpret_cast<const void*>(sm90_kernel), smem);
-    per_sm = std::max(detail::max_active_blocks_per_sm(reinterpret_cast<const void*>(sm90_kernel), kDecodeThreads, smem), 1);
+  if (d.sm90) {
+    const void* fn = reinterpret_cast<const void*>(p.fp8 ? indexer_decode_sm90_kernel<true> : indexer_decode_sm90_kernel<false>);
+    detail::raise_smem_limit(fn, d.smem);
+    per_sm = std::max(detail::max_active_blocks_per_sm(fn, kDecodeThreads, d.smem), 1);
   }
   // One wave of CTAs over the batch; each CTA at least 4 pages of the widest table.
-  const int resident = detail::multiprocessor_count() * per_sm;
-  const int by_wave = std::max(1, resident / std::max(1, p.num_seqs * groups));
+  d.resident = detail::multiprocessor_count() * per_sm;
+  const int by_wave = std::max(1, d.resident / std::max(1, p.num_seqs * d.groups));
   const int by_pages = std::max(1, (p.max_blocks + 3) / 4);
-  const int splits = std::clamp(detail::env_int("M3RT_INDEXER_SPLITS", std::min(by_wave, by_pages)), 1,
-                                std::max(1, p.max_blocks));  // tuning knob for benches
+  d.splits = std::clamp(detail::env_int("M3RT_INDEXER_SPLITS", std::min(by_wave, by_pages)), 1,
+                        std::max(1, p.max_blocks));  // tuning knob for benches
+  return d;
+}
+
+// The Hopper decode kernel's page stream alone (indexer_decode_read_floor_launch): the same CTAs,
+// pages, stages and barriers, no scoring, no scores, no arrival, no selection. Each CTA's threads
+// fold one word of every page into a value stored only if it matches a constant it never holds
+// (so the loads stay).
+template <bool kFp8>
+__global__ void __launch_bounds__(kDecodeThreads)
+    indexer_decode_read_floor_kernel(const __grid_constant__ IndexerParams p, int num_splits, unsigned* sink) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(128) uint8_t dsmem[];
+  __shared__ uint64_t full[kDecodeStages];
+  constexpr int kPageBytes = decode_sm90_page_bytes<kFp8>();
+  Request req;
+  if (!load_request(p, blockIdx.y, req)) return;
+  int j_begin, j_end;
+  split_pages(req, num_splits, blockIdx.x, j_begin, j_end);
+  const int n_pages = j_end - j_begin, tid = threadIdx.x;
+  const int32_t* table = p.block_table + int64_t(blockIdx.y) * p.block_table_stride;
+  const char* cache = static_cast<const char*>(p.index_cache);
+  auto issue = [&](int i) {
+    const int stage = i % kDecodeStages;
+    const int page = table[j_begin + i];
+    if (page >= 0 && page < p.num_cache_blocks) {
+      mbar_arrive_expect_tx(&full[stage], kPageBytes);
+      bulk_copy_to_shared(dsmem + stage * kPageBytes, cache + int64_t(page) * kPageBytes, kPageBytes, &full[stage]);
+    } else {
+      mbar_arrive(&full[stage]);
+    }
+  };
+  if (tid == 0) {
+    for (int s = 0; s < kDecodeStages; ++s) mbar_init(&full[s], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    for (int i = 0; i < min(kDecodeStages, n_pages); ++i) issue(i);
+  }
+  __syncthreads();
+  unsigned acc = 0;
+  for (int i = 0; i < n_pages; ++i) {
+    const int stage = i % kDecodeStages;
+    mbar_wait(&full[stage], uint32_t(i / kDecodeStages) & 1u);
+    acc ^= reinterpret_cast<const unsigned*>(dsmem + stage * kPageBytes)[tid];
+    __syncthreads();
+    if (tid == 0 && i + kDecodeStages < n_pages) {
+      fence_proxy_async();
+      issue(i + kDecodeStages);
+    }
+  }
+  if (acc == 0x9e3779b9u) *sink = acc;
+#endif
+}
+
+}  // namespace
+
+void indexer_decode_launch(const IndexerParams& p, CUstream_st* stream) {
+  const DecodeGrid d = decode_grid(p);
+  const int splits = d.splits, groups = d.groups, smem = d.smem;
   const dim3 grid(unsigned(splits), unsigned(p.num_seqs), unsigned(groups));
-  if (sm90) {
+  if (d.sm90) {
+    auto sm90_kernel = p.fp8 ? indexer_decode_sm90_kernel<true> : indexer_decode_sm90_kernel<false>;
     if (p.pdl) {
       // PDL: the CTAs launch while the previous kernel finishes and wait for it before reading.
       // A one-wave grid (every CTA resident at once) lets the next PDL grid launch as soon as all
       // its CTAs run; with more waves, only at its end (waiting CTAs of the next grid would take
       // the slots this grid's later CTAs need).
       IndexerParams call = p;
-      call.pdl_trigger = int64_t(splits) * p.num_seqs * groups <= resident;
+      call.pdl_trigger = int64_t(splits) * p.num_seqs * groups <= d.resident;
       const detail::LaunchEx ex(grid, dim3(unsigned(kDecodeThreads)), size_t(smem), stream, 1, true);
       M3RT_CUDA_CHECK(cudaLaunchKernelEx(&ex.lc, sm90_kernel, call, splits, groups));
     } else {
@@ -1266,6 +1334,16 @@ void indexer_decode_launch(const IndexerParams& p, CUstream_st* stream) {
       indexer_decode_kernel<false><<<grid, kDecodeThreads, 0, stream>>>(p, splits, groups);
     M3RT_LAUNCH_CHECK(stream, "indexer_decode_kernel");
   }
+}
+
+bool indexer_decode_read_floor_launch(const IndexerParams& p, unsigned* sink, CUstream_st* stream) {
+  const DecodeGrid d = decode_grid(p);
+  if (!d.sm90) return false;
+  auto fn = p.fp8 ? indexer_decode_read_floor_kernel<true> : indexer_decode_read_floor_kernel<false>;
+  detail::raise_smem_limit(reinterpret_cast<const void*>(fn), d.smem);
+  fn<<<dim3(unsigned(d.splits), unsigned(p.num_seqs), 1), kDecodeThreads, d.smem, stream>>>(p, d.splits, sink);
+  M3RT_LAUNCH_CHECK(stream, "indexer_decode_read_floor_kernel");
+  return true;
 }
 
 }  // namespace m3rt

@@ -73,6 +73,11 @@ void indexer_prefill_launch(const IndexerParams& p, CUstream_st* stream);
 void indexer_prefill_score_launch(const IndexerParams& p, CUstream_st* stream);
 void indexer_prefill_select_launch(const IndexerParams& p, CUstream_st* stream);
 void indexer_decode_launch(const IndexerParams& p, CUstream_st* stream);
+// Benchmarks: the Hopper decode kernel's page stream alone, for the call `p` describes (dql 1):
+// the same grid, pages, stages and barriers, without scoring, scores, arrival or selection (what
+// the call would cost if only its reads remained). `sink`: one device word, written only in a
+// case that does not arise. False (nothing launched) where the Hopper kernels do not run.
+bool indexer_decode_read_floor_launch(const IndexerParams& p, unsigned* sink, CUstream_st* stream);
 // Tests and benchmarks: run the portable kernels (decode: pages through registers; prefill scoring:
 // mma.sync) even on Hopper, where the sm_90a kernels are the default (process-wide; not
 // thread-safe).

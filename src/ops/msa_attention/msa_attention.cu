@@ -1528,8 +1528,9 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
 // (a union of pages over tokens, per-token masks, tiles) is gone: warp 0 reads the token's ids,
 // keeps each visible id's first entry (one match per 32 entries), reads its page and lists the
 // entry's visible 64-key halves in list order; split s of S takes list chunks [s C / S,
-// (s + 1) C / S). Small shared memory (bf16: 3 stages of 32 KiB, two CTAs an SM; e4m3: 2 of 16
-// KiB, four CTAs an SM) and few registers (bf16 168, e4m3 128) let CTAs share an SM, so small
+// (s + 1) C / S). Small shared memory (bf16: 3 stages of 32 KiB, two CTAs an SM, or 2 stages and
+// three CTAs for grids of two to three CTAs an SM; e4m3: 2 of 16 KiB, four CTAs an SM) and few
+// registers (bf16 168, e4m3 128) let CTAs share an SM, so small
 // batches split into enough CTAs to fill the GPU and one CTA's dependent chain overlaps the
 // others'. Splits merge in a cluster (Hopper, cluster_merge) or through global memory
 // (global_split_merge), the general kernel's arithmetic.
@@ -1540,14 +1541,9 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
 // / 76.9 against 4 x 3's 29.8-29.9 / 90.0-90.2 (batch 128: 512 CTAs, one wave in 528 slots
 // instead of 1.3 in 396).
 constexpr int kD1Threads = 128, kD1Rows = 16, kD1Parts = kD1Threads / 32;
-// CTAs an SM: bf16 two (its shared memory), e4m3 four. The register cap: three CTAs' worth (168)
-// for bf16, whose code is faster with them; 128 for e4m3 (no spills in the plain instance, 8 bytes
-// in the cluster one's merge).
-__host__ __device__ constexpr int d1_ctas_per_sm(bool fp8) { return fp8 ? 4 : 2; }
+// The register cap: three CTAs an SM (168) for bf16, 128 (four) for e4m3 (no spills in the plain
+// instance, 8 bytes in the cluster one's merge). Stages and CTAs an SM: decode1_config.
 __host__ __device__ constexpr int d1_register_ctas(bool fp8) { return fp8 ? 4 : 3; }
-// 64-key stages a CTA: e4m3 two (fewer bytes queued in a saturated memory system: 2 stages ran
-// every batch 1..128 as fast or faster than 3, H200, session 16), bf16 as many as fit its share
-// of the SM (three on an H200).
 
 struct D1Layout {
   int stage_bytes, stages, q_off, list_off, ml_off, misc_off, qf_off, total;
@@ -1902,9 +1898,22 @@ bool use_decode1(int decode_query_len) {
   return !switched_off("M3RT_MSA_DECODE1");
 }
 
-// msa_decode1_kernel's instance and shared memory: d1_ctas_per_sm CTAs per SM; bf16 as many 64-key
-// stages as fit their share (3 on an H200, at most 8), e4m3 2.
-KernelConfig decode1_config(bool fp8) {
+// CTAs an SM msa_decode1_kernel's launches plan for: e4m3 four; bf16 two, or three for grids that
+// fit one wave of three but not of two.
+int d1_ctas_per_sm(bool fp8, int64_t ctas) {
+  if (fp8) return 4;
+  const int64_t sms = detail::multiprocessor_count();
+  return ctas > 2 * sms && ctas <= 3 * sms ? 3 : 2;
+}
+
+// msa_decode1_kernel's instance and shared memory for a grid of `ctas` CTAs: e4m3 two 64-key stages
+// (four CTAs an SM: fewer bytes queued in a saturated memory system; 2 stages ran every batch
+// 1..128 as fast or faster than 3, H200, session 16); bf16 as many as fit a half SM (3 on an H200,
+// at most 8), or two (three CTAs an SM) where d1_ctas_per_sm says three. bf16 at 2 stages x 3 CTAs
+// against 3 x 2 (H200, session 16, one split): batch 80 (320 CTAs) 88.8 vs 108.8 us, 96 99.2 vs
+// 115.1, but 64 (256 CTAs, one wave either way) 69.0 vs 70.2, 128 (1.3 waves at three) 151.3 vs
+// 132.1 and 32 39.7 vs 39.2 — more CTAs an SM pay where they remove a partial second wave.
+KernelConfig decode1_config(bool fp8, int64_t ctas) {
   int dev = 0, per_sm = 0, optin = 0;
   M3RT_CUDA_CHECK(cudaGetDevice(&dev));
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
@@ -1912,7 +1921,8 @@ KernelConfig decode1_config(bool fp8) {
   const D1Layout base = d1_layout(fp8, 0);
   const int fixed = base.total - base.q_off;
   const int most = std::min(8, (optin - fixed) / base.stage_bytes);  // 2 fit any sm_80+ GPU
-  int stages = fp8 ? 2 : std::clamp((per_sm / d1_ctas_per_sm(fp8) - 1024 - fixed) / base.stage_bytes, 2, most);
+  const int fit = std::clamp((per_sm / 2 - 1024 - fixed) / base.stage_bytes, 2, most);
+  int stages = fp8 || d1_ctas_per_sm(fp8, ctas) == 3 ? 2 : fit;
   stages = std::clamp(env_int("M3RT_MSA_D1_STAGES", stages), 2, most);  // tuning knob for benches
   KernelConfig cfg{};
   cfg.fn = fp8 ? msa_decode1_kernel<true, false> : msa_decode1_kernel<false, false>;
@@ -2018,7 +2028,7 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   const bool tma = !d1 && use_wgmma(msa_group_rows(G, tg)) && !switched_off("M3RT_MSA_WG_TMA") &&
                    encode_cache_map(call);
   const int64_t ctas = groups * p.num_kv_heads * splits;
-  KernelConfig cfg = d1 ? decode1_config(p.fp8) : kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, ctas, tma, p.p16);
+  KernelConfig cfg = d1 ? decode1_config(p.fp8, ctas) : kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, ctas, tma, p.p16);
   const dim3 grid(unsigned(groups), unsigned(p.num_kv_heads), unsigned(splits));
   // Split decode on Hopper: each group's splits form one cluster and merge through DSMEM. PDL only
   // where the kernels carry their griddepcontrol.wait (sm_90 code on a Hopper GPU).
@@ -2041,7 +2051,7 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   // The general kernel never triggers (its grid ends at its exit, as without PDL).
   if (pdl && d1) {
     const int64_t ctas = int64_t(grid.x) * grid.y * grid.z, sms = detail::multiprocessor_count();
-    const int64_t slots = sms * d1_ctas_per_sm(p.fp8);
+    const int64_t slots = sms * d1_ctas_per_sm(p.fp8, ctas);
     call.pdl_trigger = 2 * ctas <= sms || 20 * ctas >= 19 * slots;
   }
   if (cluster || pdl) {

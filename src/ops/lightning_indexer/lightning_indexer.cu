@@ -522,7 +522,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinBlocks)
 }
 
 // ---- Hopper decode: pages by bulk copy into shared memory.
-// Two pages in flight a CTA (3 CTAs a SM for bf16, 6 for fp8): on the H200 (same run, B8) faster
+// Two pages in flight a CTA (3 CTAs a SM for bf16, by shared memory; 4 for fp8, by its 125
+// registers): on the H200 (same run, B8) faster
 // than three (bf16 128K 67.7-68.0 vs 70.6-71.0 us, fp8 32K 14.3-14.5 vs 15.5-15.6, fp8 128K
 // 40.2-40.3 vs 41.1-41.6; bf16 32K unchanged) and four (79.4, 16.5-16.7, 41.7-41.9): fewer bytes
 // queued in a saturated memory system, so the last pages and the arrivals wait less.

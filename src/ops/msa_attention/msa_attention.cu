@@ -1911,8 +1911,9 @@ int d1_ctas_per_sm(bool fp8, int64_t ctas) {
 // 1..128 as fast or faster than 3, H200, session 16); bf16 as many as fit a half SM (3 on an H200,
 // at most 8), or two (three CTAs an SM) where d1_ctas_per_sm says three. bf16 at 2 stages x 3 CTAs
 // against 3 x 2 (H200, session 16, one split): batch 80 (320 CTAs) 88.8 vs 108.8 us, 96 99.2 vs
-// 115.1, but 64 (256 CTAs, one wave either way) 69.0 vs 70.2, 128 (1.3 waves at three) 151.3 vs
-// 132.1 and 32 39.7 vs 39.2 — more CTAs an SM pay where they remove a partial second wave.
+// 115.1; batch 64 (256 CTAs, one wave either way) 69.0 vs 70.2, left at two; 128 (1.3 waves at
+// three) 151.3 vs 132.1; 32 39.7 vs 39.2 — three CTAs an SM pay where they remove a partial
+// second wave.
 KernelConfig decode1_config(bool fp8, int64_t ctas) {
   int dev = 0, per_sm = 0, optin = 0;
   M3RT_CUDA_CHECK(cudaGetDevice(&dev));

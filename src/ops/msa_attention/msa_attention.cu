@@ -1537,9 +1537,9 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
 // Stages x CTAs per SM measured on the H200 (M3 shapes, 32K; bench rows decode B32 / B128):
 // bf16 2 x 3: 45.3 / 159.4 us, 3 x 2: 42.7 (2 splits) / 137.0 us, 4 x 1: 61.6 / 165.0 us (session
 // 8). e4m3 3 x 3, 4 x 3 and 6 x 2 within 32-45 / 96-98 us (session 8); then at 128 registers
-// (session 16, one device call, the splits of msa_decode_splits): 2 x 4 28.7 / 75.8 us, 3 x 4 29.1
-// / 76.9 against 4 x 3's 29.8-29.9 / 90.0-90.2 (batch 128: 512 CTAs, one wave in 528 slots
-// instead of 1.3 in 396).
+// (session 16, the splits of msa_decode_splits): 2 x 4 28.9-29.0 / 76.1-76.4 us against 4 x 3's
+// 29.6-30.0 / 91.4-91.5 built beside it (batch 128: 512 CTAs, one wave in 528 slots instead of
+// 1.3 in 396), and in another call 2 x 4 28.7 / 75.8 against 3 x 4 29.1 / 76.9.
 constexpr int kD1Threads = 128, kD1Rows = 16, kD1Parts = kD1Threads / 32;
 // The register cap: three CTAs an SM (168) for bf16, 128 (four) for e4m3 (no spills in the plain
 // instance, 8 bytes in the cluster one's merge). Stages and CTAs an SM: decode1_config.

@@ -50,6 +50,7 @@ using kernels::cp_async_commit;
 using kernels::cp_async_wait;
 using kernels::e4m3x2_to_f16x2;
 using kernels::bulk_copy_to_shared;
+using kernels::fence_mbarrier_init;
 using kernels::fence_proxy_async;
 using kernels::mbar_arrive;
 using kernels::mbar_arrive_expect_tx;
@@ -575,7 +576,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   };
   if (tid == 0) {
     for (int s = 0; s < kDecodeStages; ++s) mbar_init(&full[s], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the copy engine
+    fence_mbarrier_init();  // visible to the copy engine
     for (int i = 0; i < min(kDecodeStages, n_pages); ++i) issue(i);
   }
   decode_fill_q_frags<kFp8>(p, b, row0, rows, q_frag);
@@ -1288,7 +1289,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   };
   if (tid == 0) {
     for (int s = 0; s < kDecodeStages; ++s) mbar_init(&full[s], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    fence_mbarrier_init();
     for (int i = 0; i < min(kDecodeStages, n_pages); ++i) issue(i);
   }
   __syncthreads();

@@ -2051,8 +2051,7 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   // 1.04x / 1.02x, and without the trigger every row ran as without PDL (H200, c8ea3ab, bd77f90).
   // The general kernel never triggers (its grid ends at its exit, as without PDL).
   if (pdl && d1) {
-    const int64_t ctas = int64_t(grid.x) * grid.y * grid.z, sms = detail::multiprocessor_count();
-    const int64_t slots = sms * d1_ctas_per_sm(p.fp8, ctas);
+    const int64_t sms = detail::multiprocessor_count(), slots = sms * d1_ctas_per_sm(p.fp8, ctas);
     call.pdl_trigger = 2 * ctas <= sms || 20 * ctas >= 19 * slots;
   }
   if (cluster || pdl) {

@@ -81,8 +81,8 @@ M3RT_HOST_DEVICE inline int64_t msa_decode_groups(int batch, int decode_query_le
 }
 // Splits per (row group, KV head) for a decode shape on the current device: the CTAs of a row group
 // share its pages and the last one merges. About as many CTAs as the SMs hold (the general kernel:
-// one per SM; decode_query_len 1: about 3/4 of two (bf16) or three (e4m3) per SM, and for bf16 one
-// split once the (request, KV head) pairs alone cover >= 95% of the SMs), at most 16, never more
+// one per SM; decode_query_len 1: about 1.5 (bf16) or 2.25 (e4m3) per SM, and for bf16 one split
+// once the (request, KV head) pairs alone cover >= 95% of the SMs), at most 16, never more
 // than the pages' 64-key chunks; 1: no split scratch. The environment variable
 // M3RT_MSA_SPLITS overrides it (benchmark tuning).
 int msa_decode_splits(int batch, int decode_query_len, int num_heads, int num_kv_heads, int topk, int max_blocks,

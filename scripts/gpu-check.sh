@@ -36,6 +36,8 @@ step check-wg-cp check.log env M3RT_MSA_WG_TMA=0 "$BUILD_DIR/m3rt" check --devic
 # global-memory merge instead of the cluster one.
 step check-msa-general check.log env M3RT_MSA_DECODE1=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode
 step check-global-merge check.log env M3RT_MSA_CLUSTER=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode
+# dql 1 with the split grid where the plan would take the mixed one.
+step check-msa-split-grid check.log env M3RT_MSA_MIXED=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode
 step check-sync check.log env M3RT_SYNC_CHECK=1 "$BUILD_DIR/m3rt" check --device cuda
 # A build without sm_90a code (sm_80 SASS + compute_80 PTX) must take the portable paths on Hopper.
 step check-sm80-build check.log bash -c "cmake -S . -B $BUILD_DIR-sm80 -G Ninja -DCMAKE_BUILD_TYPE=Release -DM3RT_BUILD_TESTS=OFF '-DM3RT_CUDA_GENCODE=-gencode=arch=compute_80,code=sm_80;-gencode=arch=compute_80,code=compute_80' -DM3RT_GIT_COMMIT=$COMMIT >/dev/null && cmake --build $BUILD_DIR-sm80 -j $(nproc) --target m3rt >/dev/null && $BUILD_DIR-sm80/m3rt check --device cuda --filter msa && $BUILD_DIR-sm80/m3rt check --device cuda --filter indexer"

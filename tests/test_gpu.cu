@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -33,6 +34,7 @@
 #include "ops/common/sm90.cuh"
 #include "ops/lightning_indexer/indexer_compare.h"
 #include "ops/lightning_indexer/lightning_indexer.h"
+#include "ops/msa_attention/msa_attention.h"
 
 namespace {
 
@@ -567,11 +569,13 @@ TEST(GpuIndexerSelect, RowsFromGivenScoresMatchTheReferenceExactly) {
 // MSA decode under a CUDA graph: the plan's shape stays; lengths, top-k lists, block table and
 // queries change in place between replays.
 // Group 16 x dql 5: 80-row groups, split over clusters (on Hopper bf16 runs the wgmma loop); dql 1:
-// msa_decode1_kernel, 16 splits per (request, KV head).
+// msa_decode1_kernel, 16 splits per (request, KV head); dql 1 at batch 80 (bf16, 160 pairs) and 140
+// (e4m3, 280 pairs): on an H200 msa_decode1_mixed_kernel, one or two rounds of 132 whole pairs and
+// the rest (28 in quarters, 16 in halves) merged through global memory (msa_decode_mixed).
 struct MsaDecodeCase {
-  static constexpr int B = 3, Hq = 32, Hkv = 2, K = 8, max_blocks = 12, pages = 40;
+  static constexpr int Hq = 32, Hkv = 2, K = 8, max_blocks = 12;
   bool fp8;
-  int dql;
+  int dql, B, pages;
   int64_t T;
   Rng rng{91};
   Device gd = Device::cuda();
@@ -579,7 +583,8 @@ struct MsaDecodeCase {
   TensorView topk_hm;  // [Hkv, T, K] view of the [T, Hkv, K] buffer
   std::unique_ptr<MsaDecodePlan> plan;
 
-  MsaDecodeCase(bool fp8_, int dql_) : fp8(fp8_), dql(dql_), T(int64_t(B) * dql_) {
+  MsaDecodeCase(bool fp8_, int dql_, int batch = 3)
+      : fp8(fp8_), dql(dql_), B(batch), pages(batch * max_blocks + 4), T(int64_t(batch) * dql_) {
     cache = Tensor::empty({pages, Hkv, 128, 256}, fp8 ? DType::kUInt8 : DType::kBFloat16, gd);
     q = Tensor::empty({T, Hq, 128}, DType::kBFloat16, gd);
     topk = Tensor::empty({T, Hkv, K}, DType::kInt32, gd);  // token-major, read transposed
@@ -614,9 +619,7 @@ struct MsaDecodeCase {
     std::vector<int32_t> l(B), tab(B * max_blocks, -1), tk(T * Hkv * K, -1), perm(pages);
     for (int i = 0; i < pages; ++i) perm[size_t(i)] = i;
     std::shuffle(perm.begin(), perm.end(), rng.gen());
-    l[0] = int32_t(rng.integer(1, 1500));
-    l[1] = 0;  // padding
-    l[2] = int32_t(rng.integer(1, 1500));
+    for (int b = 0; b < B; ++b) l[size_t(b)] = b == 1 ? 0 : int32_t(rng.integer(1, 1500));  // request 1: padding
     size_t next = 0;
     for (int b = 0; b < B; ++b)
       for (int j = 0; j < (l[size_t(b)] + 127) / 128; ++j) tab[size_t(b * max_blocks + j)] = perm[next++];
@@ -651,11 +654,11 @@ struct MsaDecodeCase {
   }
 };
 
-class GpuMsaGraph : public ::testing::TestWithParam<std::tuple<bool, int>> {};
+class GpuMsaGraph : public ::testing::TestWithParam<std::tuple<bool, int, int>> {};
 
 TEST_P(GpuMsaGraph, ReplayAfterInPlaceChangesMatchesEagerBitwise) {
   REQUIRE_GPU();
-  MsaDecodeCase c(std::get<0>(GetParam()), std::get<1>(GetParam()));
+  MsaDecodeCase c(std::get<0>(GetParam()), std::get<1>(GetParam()), std::get<2>(GetParam()));
   c.refill();
   CapturedGraph graph([&](cudaStream_t st) { c.run(st); });
   for (int round = 0; round < 3; ++round) {
@@ -692,7 +695,7 @@ __global__ void late_copy_kernel(uint4* dst, const uint4* src, int64_t n) {
 // and top-k lists late, the outputs equal those of a plain launch on the final inputs, bit for bit.
 TEST_P(GpuMsaGraph, PdlLaunchWaitsForThePrecedingKernel) {
   REQUIRE_GPU();
-  MsaDecodeCase c(std::get<0>(GetParam()), std::get<1>(GetParam()));
+  MsaDecodeCase c(std::get<0>(GetParam()), std::get<1>(GetParam()), std::get<2>(GetParam()));
   Tensor q_next = Tensor::empty({c.T, c.Hq, 128}, DType::kBFloat16, c.gd);
   Tensor topk_next = Tensor::empty({c.T, c.Hkv, c.K}, DType::kInt32, c.gd);
   ASSERT_EQ(q_next.nbytes() % 16, 0);
@@ -732,10 +735,12 @@ TEST_P(GpuMsaGraph, PdlLaunchWaitsForThePrecedingKernel) {
   CUDA_OK(cudaStreamDestroy(st));
 }
 
-INSTANTIATE_TEST_SUITE_P(CacheDtypeDql, GpuMsaGraph, ::testing::Combine(::testing::Values(false, true), ::testing::Values(5, 1)),
+INSTANTIATE_TEST_SUITE_P(CacheDtypeDql, GpuMsaGraph,
+                         ::testing::Values(std::tuple(false, 5, 3), std::tuple(true, 5, 3), std::tuple(false, 1, 3),
+                                           std::tuple(true, 1, 3), std::tuple(false, 1, 80), std::tuple(true, 1, 140)),
                          [](const auto& info) {
                            return std::string(std::get<0>(info.param) ? "fp8" : "bf16") + "_dql" +
-                                  std::to_string(std::get<1>(info.param));
+                                  std::to_string(std::get<1>(info.param)) + "_b" + std::to_string(std::get<2>(info.param));
                          });
 
 }  // namespace

@@ -342,6 +342,10 @@ void check_msa_decode(CheckContext& c) {
   check_msa_variant(c, {false, 32, 4, 64, 1, {3000, 1, 9000, 200}, {}, {.causal = false, .window_left = 300}});
   check_msa_variant(c, {true, 64, 4, 16, 1, spread_lens(40, 800), {}});
   check_msa_variant(c, {false, 32, 8, 16, 1, spread_lens(50, 1500), {}});
+  // Mixed grids on an H200 (bf16: one round of whole pairs and 60 in halves; e4m3: two rounds and 56
+  // in halves, short requests leaving some halves without keys).
+  check_msa_variant(c, {false, 64, 4, 16, 1, spread_lens(48, 700), {}});
+  check_msa_variant(c, {true, 64, 4, 16, 1, spread_lens(80, 400), {}});
   // Wide block tables (5000 and 30000 blocks a row, most of them -1).
   check_msa_variant(c, {false, 16, 1, 16, 1, {700, 2000, 0}, {}, {}, 5000});
   check_msa_variant(c, {true, 16, 1, 16, 1, {900, 129}, {}, {}, 30000});

@@ -176,7 +176,8 @@ std::string MsaDecodePlan::validate(const MsaDecodeShape& s) {
 }
 
 struct MsaDecodePlan::Scratch {
-  int splits = 1;
+  int splits = 1;         // split decode: the partial slots a pair has
+  int mixed_whole = 0;    // msa_decode_mixed's whole pairs (0: the split grid)
   Tensor part_o, part_ml, counters;
 };
 
@@ -190,9 +191,13 @@ MsaDecodePlan::MsaDecodePlan(const MsaDecodeShape& shape, Device device)
   detail::DeviceGuard guard(device.index);
   const MsaDecodeShape& s = shape;
   const int G = s.num_heads / s.num_kv_heads;
-  scratch_->splits =
-      msa_decode_splits(s.batch, s.decode_query_len, s.num_heads, s.num_kv_heads, s.topk, s.max_blocks,
-                        kv_cache_is_fp8(s.kv_cache_dtype));
+  const bool fp8 = kv_cache_is_fp8(s.kv_cache_dtype);
+  const MsaDecodeMixed mixed =
+      msa_decode_mixed(s.batch, s.decode_query_len, s.num_heads, s.num_kv_heads, s.topk, s.max_blocks, fp8);
+  scratch_->mixed_whole = mixed.whole;
+  scratch_->splits = mixed.whole > 0 ? mixed.pieces
+                                      : msa_decode_splits(s.batch, s.decode_query_len, s.num_heads, s.num_kv_heads,
+                                                          s.topk, s.max_blocks, fp8);
   if (scratch_->splits > 1) {
     const int64_t pairs = msa_decode_groups(s.batch, s.decode_query_len, G) * s.num_kv_heads;
     const int64_t rows = msa_group_rows(G, msa_group_tokens(G, s.decode_query_len));
@@ -238,6 +243,7 @@ void MsaDecodePlan::run(const MsaDecodeArgs& a, stream_t stream) {
     p.part_o = scratch_->part_o.ptr<float>();
     p.part_ml = scratch_->part_ml.ptr<float>();
     p.counters = scratch_->counters.ptr<int>();
+    p.mixed_whole = scratch_->mixed_whole;
   }
   run_on_device(kOp, dev, p, msa_attention_ref, M3RT_LAUNCHER(msa_attention_launch), stream);
 }

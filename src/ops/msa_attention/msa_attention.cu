@@ -985,15 +985,15 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
 }
 
 // The split merge through global memory (split decode without clusters): each split stores its
-// rows' (m, l) and weighted output (summed(row, col)) in the plan's scratch, the last to arrive
-// (a per-(group, KV head) counter that it resets) merges them in split order and writes the rows
-// (write_row(row, m, l, value)).
+// rows' (m, l) and weighted output (summed(row, col)) in the plan's scratch (the pair's splits at
+// slots pair x slot_stride + split), the last to arrive (a per-(group, KV head) counter that it
+// resets) merges them in split order and writes the rows (write_row(row, m, l, value)).
 template <int kThreads, class Summed, class WriteRow>
-__device__ __forceinline__ void global_split_merge(const MsaParams& p, int64_t pair, int split, int splits, int rows,
-                                                   int rows_cap, float2* row_ml, float* split_w, float* fin,
-                                                   int* last, Summed&& summed, WriteRow&& write_row) {
+__device__ __forceinline__ void global_split_merge(const MsaParams& p, int64_t pair, int slot_stride, int split,
+                                                   int splits, int rows, int rows_cap, float2* row_ml, float* split_w,
+                                                   float* fin, int* last, Summed&& summed, WriteRow&& write_row) {
   const int tid = threadIdx.x;
-  const int64_t slot0 = pair * splits;
+  const int64_t slot0 = pair * slot_stride;
   {
     float4* po = reinterpret_cast<float4*>(p.part_o + (slot0 + split) * rows_cap * 128);
     float2* pml = reinterpret_cast<float2*>(p.part_ml) + (slot0 + split) * rows_cap;
@@ -1563,11 +1563,15 @@ __host__ __device__ inline D1Layout d1_layout(bool fp8, int stages) {
   return l;
 }
 
+// One (request t, KV head) pair's share of a dql-1 decode: chunks [from C / den, to C / den) of the
+// pair's C, merged with the pair's other shares (`splits` in all, this one `split`, the pair's
+// partials slot_stride slots apart) through a cluster (kCluster) or global memory, or written
+// directly (splits 1). `trigger`: let the next PDL grid launch once the chunk loop is done. Every
+// return is uniform over the CTA.
 template <bool kFp8, bool kCluster>
-__global__ void __launch_bounds__(kD1Threads, d1_register_ctas(kFp8))
-    msa_decode1_kernel(const __grid_constant__ MsaParams p, int stages) {
-  kernels::grid_dependency_wait();  // launched with PDL (p.pdl): nothing is read before this
-  extern __shared__ __align__(128) char smem[];
+__device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* smem, int64_t t, int kv_head,
+                                         int split, int splits, int from, int to, int den, int slot_stride,
+                                         bool trigger) {
   const D1Layout L = d1_layout(kFp8, stages);
   char* area = smem;
   char* q_s = smem + L.q_off;
@@ -1578,9 +1582,6 @@ __global__ void __launch_bounds__(kD1Threads, d1_register_ctas(kFp8))
   float* split_w = reinterpret_cast<float*>(merged + kD1Rows);
   int* misc = reinterpret_cast<int*>(smem + L.misc_off);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4;
-  const int64_t t = blockIdx.x;  // dql 1: token t is request t's only one
-  const int kv_head = blockIdx.y, split = blockIdx.z;
-  const int splits = p.num_splits > 1 ? p.num_splits : 1;
   const int G = p.num_heads / p.num_kv_heads;
   constexpr int64_t kRowBytes = kFp8 ? 256 : 512;
 
@@ -1661,7 +1662,7 @@ __global__ void __launch_bounds__(kD1Threads, d1_register_ctas(kFp8))
   }
   __syncthreads();
   const int C = misc[0];
-  const int c_begin = int(int64_t(split) * C / splits), c_end = int(int64_t(split + 1) * C / splits);
+  const int c_begin = int(int64_t(from) * C / den), c_end = int(int64_t(to) * C / den);
   const float k_scale = kFp8 ? *p.k_scale : 1.f, v_scale = kFp8 ? *p.v_scale : 1.f;
   const float scale_log2 = p.softmax_scale * k_scale * kLog2e;
   const ChunkLoader<kFp8, kD1Threads> loader;
@@ -1711,8 +1712,8 @@ __global__ void __launch_bounds__(kD1Threads, d1_register_ctas(kFp8))
   }
   cp_async_wait<0>();
   __syncthreads();
-  // p.pdl_trigger: the next PDL grid may launch once every CTA is here (or done).
-  if (p.pdl_trigger) kernels::launch_dependents();
+  // The next PDL grid may launch once every CTA is here (or done).
+  if (trigger) kernels::launch_dependents();
 
   // Merge the key parts (as the general kernel): per row, each part's max and weight, then the
   // parts' weighted rows in their own planes, summed in part order.
@@ -1774,8 +1775,40 @@ __global__ void __launch_bounds__(kD1Threads, d1_register_ctas(kFp8))
     return;
   }
 #endif
-  global_split_merge<kD1Threads>(p, t * p.num_kv_heads + kv_head, split, splits, G, kD1Rows, row_ml, split_w, fin,
-                                 misc + 1, [&](int row, int col) { return fin[fin_index(row, col)]; }, write_row);
+  global_split_merge<kD1Threads>(p, t * p.num_kv_heads + kv_head, slot_stride, split, splits, G, kD1Rows, row_ml,
+                                 split_w, fin, misc + 1, [&](int row, int col) { return fin[fin_index(row, col)]; },
+                                 write_row);
+}
+
+// dql-1 decode, a CTA per (request t = blockIdx.x, KV head, split): split z of the pair's chunks.
+template <bool kFp8, bool kCluster>
+__global__ void __launch_bounds__(kD1Threads, d1_register_ctas(kFp8))
+    msa_decode1_kernel(const __grid_constant__ MsaParams p, int stages) {
+  kernels::grid_dependency_wait();  // launched with PDL (p.pdl): nothing is read before this
+  extern __shared__ __align__(128) char smem[];
+  const int64_t t = blockIdx.x;  // dql 1: token t is request t's only one
+  const int kv_head = blockIdx.y, split = blockIdx.z;
+  const int splits = p.num_splits > 1 ? p.num_splits : 1;
+  d1_share<kFp8, kCluster>(p, stages, smem, t, kv_head, split, splits, split, split + 1, splits, splits,
+                           p.pdl_trigger);
+}
+
+// dql-1 decode on the mixed grid (p.mixed_whole > 0: MsaDecodePlan's choice where one CTA a pair
+// would leave some SMs a CTA more than others): CTA i < mixed_whole serves pair i whole (pair =
+// request x Hkv + KV head); the remaining pairs come in num_splits pieces, CTA mixed_whole + j piece
+// j % num_splits of pair mixed_whole + j / num_splits, merged through global memory. mixed_whole is
+// a whole number of rounds of one CTA an SM, so that (CTAs filling the SMs breadth-first in index
+// order) each SM gets the same whole pairs and the pieces spread the rest.
+template <bool kFp8>
+__global__ void __launch_bounds__(kD1Threads, d1_register_ctas(kFp8))
+    msa_decode1_mixed_kernel(const __grid_constant__ MsaParams p, int stages) {
+  kernels::grid_dependency_wait();  // launched with PDL (p.pdl): nothing is read before this
+  extern __shared__ __align__(128) char smem[];
+  const int i = blockIdx.x, whole = p.mixed_whole, q = p.num_splits;
+  const bool piece = i >= whole;
+  const int pair = piece ? whole + (i - whole) / q : i, s = piece ? (i - whole) % q : 0;
+  d1_share<kFp8, false>(p, stages, smem, pair / p.num_kv_heads, pair % p.num_kv_heads, s, piece ? q : 1, s, s + 1,
+                        piece ? q : 1, q, p.pdl_trigger);
 }
 
 bool g_force_baseline = false;
@@ -1914,7 +1947,7 @@ int d1_ctas_per_sm(bool fp8, int64_t ctas) {
 // 115.1; batch 64 (256 CTAs, one wave either way) 69.0 vs 70.2, left at two; 128 (1.3 waves at
 // three) 151.3 vs 132.1; 32 39.7 vs 39.2 — three CTAs an SM pay where they remove a partial
 // second wave.
-KernelConfig decode1_config(bool fp8, int64_t ctas) {
+KernelConfig decode1_config(bool fp8, int64_t ctas, bool mixed) {
   int dev = 0, per_sm = 0, optin = 0;
   M3RT_CUDA_CHECK(cudaGetDevice(&dev));
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
@@ -1926,7 +1959,10 @@ KernelConfig decode1_config(bool fp8, int64_t ctas) {
   int stages = fp8 || d1_ctas_per_sm(fp8, ctas) == 3 ? 2 : fit;
   stages = std::clamp(env_int("M3RT_MSA_D1_STAGES", stages), 2, most);  // tuning knob for benches
   KernelConfig cfg{};
-  cfg.fn = fp8 ? msa_decode1_kernel<true, false> : msa_decode1_kernel<false, false>;
+  if (mixed)
+    cfg.fn = fp8 ? msa_decode1_mixed_kernel<true> : msa_decode1_mixed_kernel<false>;
+  else
+    cfg.fn = fp8 ? msa_decode1_kernel<true, false> : msa_decode1_kernel<false, false>;
   cfg.cluster_fn = fp8 ? msa_decode1_kernel<true, true> : msa_decode1_kernel<false, true>;
   cfg.threads = kD1Threads;
   cfg.stages = stages;
@@ -1980,6 +2016,30 @@ bool cluster_merge_fits(const KernelConfig& cfg, dim3 grid, int splits) {
 
 void msa_force_baseline(bool on) { g_force_baseline = on; }
 
+MsaDecodeMixed msa_decode_mixed(int batch, int dql, int num_heads, int num_kv_heads, int topk, int max_blocks,
+                                bool fp8) {
+  if (batch < 1 || !use_decode1(dql)) return {};
+  const int64_t pairs = int64_t(batch) * num_kv_heads, sms = detail::multiprocessor_count();
+  const int chunks = 2 * std::min(topk, max_blocks);
+  if (msa_decode_splits(batch, dql, num_heads, num_kv_heads, topk, max_blocks, fp8) != 1 || pairs <= sms) return {};
+  // The split grid: one CTA a pair, ceil(pairs / SMs) on the busiest SMs. The mixed grid: `rounds`
+  // whole rounds, the rest in q pieces filling the per-SM slots left (at least 2 64-key chunks a
+  // piece; at most 4 pieces for bf16, 2 for e4m3): its busiest SMs hold rounds + ceil(rest q / SMs)
+  // / q pairs. H200, M3 shapes, 32K, against the split grid in the same call: bf16 batch 40
+  // (quarters) 1.06-1.08x, 48 and 80 (halves) 1.04-1.05x; e4m3 batch 112 (halves) 1.08x, but e4m3
+  // quarters lost (batch 56 0.81x, 80 0.90x).
+  const int64_t per_sm = d1_ctas_per_sm(fp8, pairs), rounds = pairs / sms, rest = pairs - rounds * sms;
+  if (rest == 0 || rounds >= per_sm) return {};
+  const int64_t q = std::min<int64_t>({(per_sm - rounds) * sms / rest, fp8 ? 2 : 4, chunks / 2});
+  MsaDecodeMixed m{};
+  if (q >= 2) {
+    const double split_load = double(rounds + 1), mixed_load = double(rounds) + double((rest * q + sms - 1) / sms) / q;
+    if (mixed_load * 1.1 <= split_load) m = {int(rounds * sms), int(q)};
+  }
+  if (switched_off("M3RT_MSA_MIXED")) return {};  // benchmarks: the split grid
+  return m;
+}
+
 int msa_decode_splits(int batch, int dql, int num_heads, int num_kv_heads, int topk, int max_blocks, bool fp8) {
   const int G = num_heads / num_kv_heads, tg = msa_group_tokens(G, dql);
   const int64_t pairs = msa_decode_groups(batch, dql, G) * num_kv_heads;
@@ -2028,12 +2088,16 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   // benchmarks).
   const bool tma = !d1 && use_wgmma(msa_group_rows(G, tg)) && !switched_off("M3RT_MSA_WG_TMA") &&
                    encode_cache_map(call);
-  const int64_t ctas = groups * p.num_kv_heads * splits;
-  KernelConfig cfg = d1 ? decode1_config(p.fp8, ctas) : kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, ctas, tma, p.p16);
-  const dim3 grid(unsigned(groups), unsigned(p.num_kv_heads), unsigned(splits));
-  // Split decode on Hopper: each group's splits form one cluster and merge through DSMEM. PDL only
-  // where the kernels carry their griddepcontrol.wait (sm_90 code on a Hopper GPU).
-  bool cluster = splits > 1 && cluster_merge_fits(cfg, grid, splits);
+  const bool mixed = d1 && p.mixed_whole > 0;
+  const int64_t pairs = groups * p.num_kv_heads;
+  const int64_t ctas = mixed ? p.mixed_whole + (pairs - p.mixed_whole) * splits : pairs * splits;
+  KernelConfig cfg = d1 ? decode1_config(p.fp8, ctas, mixed)
+                        : kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, ctas, tma, p.p16);
+  const dim3 grid = mixed ? dim3(unsigned(ctas)) : dim3(unsigned(groups), unsigned(p.num_kv_heads), unsigned(splits));
+  // Split decode on Hopper: each group's splits form one cluster and merge through DSMEM (not the
+  // mixed grid's pieces). PDL only where the kernels carry their griddepcontrol.wait (sm_90 code on
+  // a Hopper GPU).
+  bool cluster = !mixed && splits > 1 && cluster_merge_fits(cfg, grid, splits);
   // Splits that merge through global memory keep the cp.async loop: the copy-engine instance ran
   // those launches slower (H200, c22c943, the drafter's 112-row blocks: batch 8, 4 splits, 64.8 vs
   // 63.3 us; batch 1, 16 splits, 53.6 vs 41.7 us), while it won unsplit (verify, prefill: 1.22-1.32x)

@@ -55,6 +55,8 @@ struct MsaParams {
   bool pdl;                     // launch as a programmatic dependent (MsaDecodeArgs::enable_pdl)
   bool p16;                     // P V may use P rounded once to 16 bits (the args' p_residue false)
   bool pdl_trigger;             // set by the launcher: let the next PDL grid launch after the loop
+  int mixed_whole;              // > 0 (set by MsaDecodePlan, dql 1 only): msa_decode1_mixed_kernel, the first
+                                // mixed_whole pairs whole, the others in num_splits pieces
   // Set by the launcher, never by callers: the cache as a CUDA tensor map (an opaque CUtensorMap)
   // for the bulk tensor copies of the Hopper wgmma loop.
   alignas(128) unsigned char cache_map[128];
@@ -87,6 +89,15 @@ M3RT_HOST_DEVICE inline int64_t msa_decode_groups(int batch, int decode_query_le
 // M3RT_MSA_SPLITS overrides it (benchmark tuning).
 int msa_decode_splits(int batch, int decode_query_len, int num_heads, int num_kv_heads, int topk, int max_blocks,
                       bool fp8);
+// dql-1 decode on a mixed grid (msa_decode1_mixed_kernel) where one CTA a (request, KV head) pair
+// would leave some SMs a CTA more than others: whole rounds of one pair an SM, the remaining pairs
+// in `pieces` pieces each, when that lowers the busiest SM's load by >= 10%. whole 0: the split
+// grid. M3RT_MSA_MIXED=0 keeps the split grid (benchmarks).
+struct MsaDecodeMixed {
+  int whole = 0, pieces = 0;
+};
+MsaDecodeMixed msa_decode_mixed(int batch, int decode_query_len, int num_heads, int num_kv_heads, int topk,
+                                int max_blocks, bool fp8);
 // Tests and benches: run the first (CUDA-core) kernel instead of the tensor-core one.
 void msa_force_baseline(bool on);
 // The baseline kernel's launcher (msa_attention_baseline.cu).

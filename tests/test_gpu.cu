@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -34,7 +33,6 @@
 #include "ops/common/sm90.cuh"
 #include "ops/lightning_indexer/indexer_compare.h"
 #include "ops/lightning_indexer/lightning_indexer.h"
-#include "ops/msa_attention/msa_attention.h"
 
 namespace {
 

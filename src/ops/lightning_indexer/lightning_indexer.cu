@@ -535,6 +535,37 @@ __host__ __device__ constexpr int decode_sm90_page_bytes() {
   return kPage * 128 * (kFp8 ? 1 : 2);
 }
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Thread 0 of a Hopper decode CTA (the decode kernel and its read floor): stage `stage` gets page
+// j_begin + i of the request's table row by bulk copy on full[stage], or, for a page outside the
+// cache, an arrival alone (nothing to copy); kOk: ok[stage] says which, before the copy is issued.
+template <int kPageBytes, bool kOk>
+__device__ __forceinline__ void decode_issue_page(const IndexerParams& p, const char* cache, const int32_t* table,
+                                                  int j_begin, int i, uint8_t* dsmem, uint64_t* full, bool* ok) {
+  const int stage = i % kDecodeStages;
+  const int page = table[j_begin + i];
+  const bool copy = page >= 0 && page < p.num_cache_blocks;
+  if constexpr (kOk) ok[stage] = copy;
+  if (copy) {
+    mbar_arrive_expect_tx(&full[stage], kPageBytes);
+    bulk_copy_to_shared(dsmem + stage * kPageBytes, cache + int64_t(page) * kPageBytes, kPageBytes, &full[stage]);
+  } else {
+    mbar_arrive(&full[stage]);
+  }
+}
+
+// Thread 0, before the CTA's first barrier: the stages' barriers initialised (visible to the copy
+// engine) and the first kDecodeStages of the CTA's n_pages pages issued.
+template <int kPageBytes, bool kOk>
+__device__ __forceinline__ void decode_start_pages(const IndexerParams& p, const char* cache, const int32_t* table,
+                                                   int j_begin, int n_pages, uint8_t* dsmem, uint64_t* full, bool* ok) {
+  for (int s = 0; s < kDecodeStages; ++s) mbar_init(&full[s], 1);
+  fence_mbarrier_init();
+  for (int i = 0; i < min(kDecodeStages, n_pages); ++i)
+    decode_issue_page<kPageBytes, kOk>(p, cache, table, j_begin, i, dsmem, full, ok);
+}
+#endif
+
 // Dynamic shared memory: kDecodeStages pages, then the query fragments (2 KB per n-tile).
 template <bool kFp8>
 __global__ void __launch_bounds__(kDecodeThreads)
@@ -562,23 +593,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int n_pages = j_end - j_begin;
   const int32_t* table = p.block_table + int64_t(b) * p.block_table_stride;
   const char* cache = static_cast<const char*>(p.index_cache);
-  auto issue = [&](int i) {  // thread 0: page j_begin + i into stage i % kDecodeStages
-    const int stage = i % kDecodeStages;
-    const int page = table[j_begin + i];
-    const bool ok = page >= 0 && page < p.num_cache_blocks;
-    page_ok[stage] = ok;
-    if (ok) {
-      mbar_arrive_expect_tx(&full[stage], kPageBytes);
-      bulk_copy_to_shared(dsmem + stage * kPageBytes, cache + int64_t(page) * kPageBytes, kPageBytes, &full[stage]);
-    } else {
-      mbar_arrive(&full[stage]);  // nothing to copy: the page scores NaN
-    }
-  };
-  if (tid == 0) {
-    for (int s = 0; s < kDecodeStages; ++s) mbar_init(&full[s], 1);
-    fence_mbarrier_init();  // visible to the copy engine
-    for (int i = 0; i < min(kDecodeStages, n_pages); ++i) issue(i);
-  }
+  // A page outside the cache is not copied (page_ok false): it scores NaN.
+  if (tid == 0) decode_start_pages<kPageBytes, true>(p, cache, table, j_begin, n_pages, dsmem, full, page_ok);
   decode_fill_q_frags<kFp8>(p, b, row0, rows, q_frag);
   __syncthreads();
   const int first_pos = req.seq_len - p.decode_query_len;
@@ -608,7 +624,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     __syncthreads();  // every warp's maxima are in; every warp is done reading the stage
     if (tid == 0 && i + kDecodeStages < n_pages) {
       fence_proxy_async();  // the stage's generic reads, ordered before the copy engine refills it
-      issue(i + kDecodeStages);
+      decode_issue_page<kPageBytes, true>(p, cache, table, j_begin, i + kDecodeStages, dsmem, full, page_ok);
     }
     for (int r = tid; r < rows; r += kDecodeThreads) {
       float v = part_max[i % 2][0][r];
@@ -1277,21 +1293,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int n_pages = j_end - j_begin, tid = threadIdx.x;
   const int32_t* table = p.block_table + int64_t(blockIdx.y) * p.block_table_stride;
   const char* cache = static_cast<const char*>(p.index_cache);
-  auto issue = [&](int i) {
-    const int stage = i % kDecodeStages;
-    const int page = table[j_begin + i];
-    if (page >= 0 && page < p.num_cache_blocks) {
-      mbar_arrive_expect_tx(&full[stage], kPageBytes);
-      bulk_copy_to_shared(dsmem + stage * kPageBytes, cache + int64_t(page) * kPageBytes, kPageBytes, &full[stage]);
-    } else {
-      mbar_arrive(&full[stage]);
-    }
-  };
-  if (tid == 0) {
-    for (int s = 0; s < kDecodeStages; ++s) mbar_init(&full[s], 1);
-    fence_mbarrier_init();
-    for (int i = 0; i < min(kDecodeStages, n_pages); ++i) issue(i);
-  }
+  if (tid == 0) decode_start_pages<kPageBytes, false>(p, cache, table, j_begin, n_pages, dsmem, full, nullptr);
   __syncthreads();
   unsigned acc = 0;
   for (int i = 0; i < n_pages; ++i) {
@@ -1301,7 +1303,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     __syncthreads();
     if (tid == 0 && i + kDecodeStages < n_pages) {
       fence_proxy_async();
-      issue(i + kDecodeStages);
+      decode_issue_page<kPageBytes, false>(p, cache, table, j_begin, i + kDecodeStages, dsmem, full, nullptr);
     }
   }
   if (acc == 0x9e3779b9u) *sink = acc;

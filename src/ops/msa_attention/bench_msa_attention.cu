@@ -228,16 +228,17 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
       r.bytes = batch[0].unique_slices * slice_bytes + double(c.B) * c.dql * per_token_io;
       r.gbps = r.bytes / (r.us * 1e3);
       r.pct_ceiling = 100.0 * r.gbps / env.copy_gbps;
-      const MsaDecodeMixed mixed = msa_decode_mixed(c.B, c.dql, kHq, kHkv, kTopk, nb, fp8);
+      const int splits = plan_splits(c, fp8);
+      const MsaDecodeMixed mixed = msa_decode_mixed(c.B, c.dql, kHkv, kTopk, nb, fp8, splits);
       r.note = mixed.whole > 0 ? std::to_string(mixed.whole) + " whole pairs, the rest in " +
                                      std::to_string(mixed.pieces) + " pieces"
-                               : std::to_string(plan_splits(c, fp8)) + " splits";
+                               : std::to_string(splits) + " splits";
       if (mixed.whole > 0) {  // the split grid, same run
         const ScopedEnv split_grid("M3RT_MSA_MIXED", "0");
         MsaDecodePlan alt({c.B, c.dql, kHq, kHkv, kTopk, nb, kd}, Device::cuda());
         const double split_us = time_us(call_with(alt), sets, true, env);
         char b[64];
-        std::snprintf(b, sizeof b, "; split grid (%d splits) %.2f us", plan_splits(c, fp8), split_us);
+        std::snprintf(b, sizeof b, "; split grid (%d splits) %.2f us", splits, split_us);
         r.note += b;
         r.ratios.push_back({"vs split grid", split_us / r.us});
       }

@@ -192,12 +192,12 @@ MsaDecodePlan::MsaDecodePlan(const MsaDecodeShape& shape, Device device)
   const MsaDecodeShape& s = shape;
   const int G = s.num_heads / s.num_kv_heads;
   const bool fp8 = kv_cache_is_fp8(s.kv_cache_dtype);
+  const int splits =
+      msa_decode_splits(s.batch, s.decode_query_len, s.num_heads, s.num_kv_heads, s.topk, s.max_blocks, fp8);
   const MsaDecodeMixed mixed =
-      msa_decode_mixed(s.batch, s.decode_query_len, s.num_heads, s.num_kv_heads, s.topk, s.max_blocks, fp8);
+      msa_decode_mixed(s.batch, s.decode_query_len, s.num_kv_heads, s.topk, s.max_blocks, fp8, splits);
   scratch_->mixed_whole = mixed.whole;
-  scratch_->splits = mixed.whole > 0 ? mixed.pieces
-                                      : msa_decode_splits(s.batch, s.decode_query_len, s.num_heads, s.num_kv_heads,
-                                                          s.topk, s.max_blocks, fp8);
+  scratch_->splits = mixed.whole > 0 ? mixed.pieces : splits;
   if (scratch_->splits > 1) {
     const int64_t pairs = msa_decode_groups(s.batch, s.decode_query_len, G) * s.num_kv_heads;
     const int64_t rows = msa_group_rows(G, msa_group_tokens(G, s.decode_query_len));

@@ -2016,12 +2016,12 @@ bool cluster_merge_fits(const KernelConfig& cfg, dim3 grid, int splits) {
 
 void msa_force_baseline(bool on) { g_force_baseline = on; }
 
-MsaDecodeMixed msa_decode_mixed(int batch, int dql, int num_heads, int num_kv_heads, int topk, int max_blocks,
-                                bool fp8) {
-  if (batch < 1 || !use_decode1(dql)) return {};
+MsaDecodeMixed msa_decode_mixed(int batch, int dql, int num_kv_heads, int topk, int max_blocks, bool fp8,
+                                int splits) {
+  if (batch < 1 || splits != 1 || !use_decode1(dql)) return {};
   const int64_t pairs = int64_t(batch) * num_kv_heads, sms = detail::multiprocessor_count();
   const int chunks = 2 * std::min(topk, max_blocks);
-  if (msa_decode_splits(batch, dql, num_heads, num_kv_heads, topk, max_blocks, fp8) != 1 || pairs <= sms) return {};
+  if (pairs <= sms) return {};
   // The split grid: one CTA a pair, ceil(pairs / SMs) on the busiest SMs. The mixed grid: `rounds`
   // whole rounds, the rest in q pieces filling the per-SM slots left (at least 2 64-key chunks a
   // piece; at most 4 pieces for bf16, 2 for e4m3): its busiest SMs hold rounds + ceil(rest q / SMs)

@@ -89,15 +89,16 @@ M3RT_HOST_DEVICE inline int64_t msa_decode_groups(int batch, int decode_query_le
 // M3RT_MSA_SPLITS overrides it (benchmark tuning).
 int msa_decode_splits(int batch, int decode_query_len, int num_heads, int num_kv_heads, int topk, int max_blocks,
                       bool fp8);
-// dql-1 decode on a mixed grid (msa_decode1_mixed_kernel) where one CTA a (request, KV head) pair
-// would leave some SMs a CTA more than others: whole rounds of one pair an SM, the remaining pairs
-// in `pieces` pieces each, when that lowers the busiest SM's load by >= 10%. whole 0: the split
-// grid. M3RT_MSA_MIXED=0 keeps the split grid (benchmarks).
+// dql-1 decode on a mixed grid (msa_decode1_mixed_kernel) where the split grid (msa_decode_splits'
+// count, `splits`) has one CTA a (request, KV head) pair and would leave some SMs a CTA more than
+// others: whole rounds of one pair an SM, the remaining pairs in `pieces` pieces each, when that
+// lowers the busiest SM's load by >= 10%. whole 0: the split grid. M3RT_MSA_MIXED=0 keeps the split
+// grid (benchmarks).
 struct MsaDecodeMixed {
   int whole = 0, pieces = 0;
 };
-MsaDecodeMixed msa_decode_mixed(int batch, int decode_query_len, int num_heads, int num_kv_heads, int topk,
-                                int max_blocks, bool fp8);
+MsaDecodeMixed msa_decode_mixed(int batch, int decode_query_len, int num_kv_heads, int topk, int max_blocks, bool fp8,
+                                int splits);
 // Tests and benches: run the first (CUDA-core) kernel instead of the tensor-core one.
 void msa_force_baseline(bool on);
 // The baseline kernel's launcher (msa_attention_baseline.cu).

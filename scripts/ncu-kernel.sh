@@ -4,14 +4,15 @@
 # build with -DCMAKE_CUDA_FLAGS=-lineinfo for the source lines.
 #   scripts/ncu-kernel.sh NAME KERNEL_SUBSTRING SKIP CMD...
 # NAME labels the report ($OUT/NAME.ncu-rep when OUT is set, else /tmp), KERNEL_SUBSTRING is a part
-# of the kernel's mangled name, SKIP how many matching launches to pass over first.
+# of the kernel's mangled name, SKIP how many matching launches to pass over first; the application
+# is stopped once that launch is profiled.
 set -uo pipefail
 name=$1 kernel=$2 skip=$3; shift 3
 NCU=$(ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
 [ -n "$NCU" ] || NCU=$(command -v ncu)
 [ -n "$NCU" ] || { echo "ncu-kernel: no ncu found"; exit 1; }
 dir=${OUT:-/tmp}
-"$NCU" --clock-control none --kernel-name-base mangled -k "regex:$kernel" -s "$skip" -c 1 \
+"$NCU" --kill yes --clock-control none --kernel-name-base mangled -k "regex:$kernel" -s "$skip" -c 1 \
   --set full --import-source yes -f -o "$dir/$name" "$@" >"$dir/$name.ncu.log" 2>&1 || { tail -20 "$dir/$name.ncu.log"; exit 1; }
 echo "=== $name"
 "$NCU" -i "$dir/$name.ncu-rep" --page details --print-units base 2>/dev/null | grep -E \

@@ -182,6 +182,16 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
   for (int ctx : env.quick || decode_only ? std::vector<int>{32768} : std::vector<int>{32768, 131072})
     for (int B : batches) decode_cases.push_back({B, ctx, 1});
   if (!decode_only) decode_cases.push_back({32, 32768, 8});  // verify
+  // M3RT_BENCH_MSA_PREFILL_ONLY="L:share" (profiling): the prefill rows of one context (L K tokens)
+  // and one share (0: independent lists) alone, no decode, verify or ratios.
+  int only_l = 0, only_share = -1;
+  if (const char* only = std::getenv("M3RT_BENCH_MSA_PREFILL_ONLY"); only && *only) {
+    if (std::sscanf(only, "%d:%d", &only_l, &only_share) != 2 || only_l < 1 || only_l > 1024 || only_share < 0 ||
+        only_share > 64)
+      throw Error(std::string("M3RT_BENCH_MSA_PREFILL_ONLY: '") + only +
+                  "' is not 'L:share' (context in K tokens, 1..1024; tokens a shared list, 0..64)");
+    decode_cases.clear();
+  }
   for (bool fp8 : {false, true}) {
     const KvCacheDtype kd = fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;
     for (const Case& c : decode_cases) {
@@ -279,8 +289,10 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
   if (env.gemm_tflops == 0) env.gemm_tflops = measure_gemm_tflops();
   for (bool fp8 : {false, true}) {
     const KvCacheDtype kd = fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;
-    for (int L : env.quick ? std::vector<int>{8192} : std::vector<int>{8192, 32768})
-    for (int share : {0, 8}) {
+    for (int L : only_l      ? std::vector<int>{only_l * 1024}
+                 : env.quick ? std::vector<int>{8192}
+                             : std::vector<int>{8192, 32768})
+    for (int share : only_l ? std::vector<int>{only_share} : std::vector<int>{0, 8}) {
       std::vector<Batch> batch = make_sets(rng, fp8, 1, L, 0, L, 1, share);
       const Batch& bt = batch[0];
       const MsaPrefillArgs a{.q = bt.q, .cache = {bt.cache, kd, ksd, vsd}, .topk = bt.topk_view,
@@ -299,6 +311,7 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
       r.gbps = r.bytes / (r.us * 1e3);
       r.note = std::to_string(int(r.tflops)) + " TFLOP/s effective";
       rows.push_back(r);
+      if (only_l) continue;
       {  // the mma.sync loop the wgmma one replaced on Hopper, same run
         const ScopedEnv mma_sync("M3RT_MSA_WGMMA", "0");
         rows.back().ratios.push_back({"vs mma.sync loop", time_us(call, 1, true, env, 3) / r.us});

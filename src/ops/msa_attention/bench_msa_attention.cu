@@ -183,7 +183,8 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
     for (int B : batches) decode_cases.push_back({B, ctx, 1});
   if (!decode_only) decode_cases.push_back({32, 32768, 8});  // verify
   // M3RT_BENCH_MSA_PREFILL_ONLY="L:share" (profiling): the prefill rows of one context (L K tokens)
-  // and one share (0: independent lists) alone, no decode, verify or ratios.
+  // and one share (0: independent lists) alone, no decode, verify, ratios or drafter blocks (with
+  // M3RT_BENCH_MSA_DECODE_ONLY as well, the decode rows alone).
   int only_l = 0, only_share = -1;
   if (const char* only = std::getenv("M3RT_BENCH_MSA_PREFILL_ONLY"); only && *only) {
     if (std::sscanf(only, "%d:%d", &only_l, &only_share) != 2 || only_l < 1 || only_l > 1024 || only_share < 0 ||
@@ -346,7 +347,8 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
 // (M3RT_MSA_SPLITS) and the mma.sync loop instead of wgmma (M3RT_MSA_WGMMA=0), each a graph replay
 // with inputs rotated beyond L2.
 std::vector<BenchRow> bench_msa_attention_draft(BenchEnv& env) {
-  if (std::getenv("M3RT_BENCH_MSA_DECODE_ONLY")) return {};  // tuning runs of the dql-1 decode
+  // tuning runs of the dql-1 decode, profiling runs of one prefill row
+  if (std::getenv("M3RT_BENCH_MSA_DECODE_ONLY") || std::getenv("M3RT_BENCH_MSA_PREFILL_ONLY")) return {};
   constexpr int N = 7, K = kMsaMaxTopk, window = 4096, ctx = 8192;
   const int seq = ctx + N, first = (ctx - window + 1) / kPageTokens, last = (seq - 1) / kPageTokens;
   const int nb = last + 1, span = last - first + 1;

@@ -708,11 +708,12 @@ __device__ __forceinline__ void wg_rescale_form_p(TileState& st, float (&o)[64],
     for (int q = 0; q < 4; ++q) split2<kF16>(s[8 * t + 2 * q], s[8 * t + 2 * q + 1], ph[t][q], pl[t][q]);
 }
 
-// The wgmma loops' page order (one warp): the pages both warpgroups' tokens selected first, in id
-// order, then the pages of one warpgroup's tokens alone, the two warpgroups' alternating (the rest
-// of the longer list last). In id order a warpgroup meets runs of the other's pages, skips them,
-// and then waits for stages that its partner, still on those pages, holds. tmp: U entries of
-// scratch (the stage area, free after the union is built).
+// The wgmma loops' page order (one warp): the pages both warpgroups' tokens selected (or neither's:
+// a page no row sees, which both skip) first, in id order, then the pages of one warpgroup's tokens
+// alone, the two warpgroups' alternating (the rest of the longer list last). In id order a
+// warpgroup meets runs of the other's pages, skips them, and then waits for stages that its
+// partner, still on those pages, holds. tmp: U entries of scratch (the stage area, free after the
+// union is built).
 [[maybe_unused]] __device__ __forceinline__ void wg_page_order(int4* uniq, int U, uint32_t tok_a, uint32_t tok_b,
                                                                int4* tmp) {
   const int lane = threadIdx.x % 32;

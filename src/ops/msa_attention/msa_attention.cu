@@ -942,7 +942,9 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
   // Chunk i + D into its stage once chunk i + D - stages is released (thread 0). bf16: issued
   // after this iteration's MMAs, which then no longer wait behind it (~600 cycles a chunk in warp
   // 0's timeline at the top of the iteration; H200, same call: prefill 8K / 32K 1.01x / 1.02x, p16
-  // 1.03x, verify and the drafter's blocks within 1%).
+  // 1.03x, verify and the drafter's blocks within 1%). e4m3 keeps it at the top: after the MMAs it
+  // lost (H200, same call, session 19: verify 0.975x, prefill 8K 0.986x, 8K shared8 0.980x, 32K
+  // 0.993x), its raw stages refill one chunk later there while the conversion already waits on them.
   auto refill = [&](int i) {
     if (tid == 0 && i + D < n) {
       if (i + D >= stages) mbar_wait(&empty[fslot], fphase);

@@ -210,9 +210,11 @@ __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_
     lo = *reinterpret_cast<const uint32_t*>(&l);
   } else {
     const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
-    const float2 f = __bfloat1622float2(h);
-    const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - f.x, x1 - f.y);
     hi = *reinterpret_cast<const uint32_t*>(&h);
+    // The two values back in fp32 by bit operations (bf16 is fp32's upper half; one instruction
+    // each, where __bfloat1622float2 took three for the pair's upper value).
+    const __nv_bfloat162 l =
+        __floats2bfloat162_rn(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));
     lo = *reinterpret_cast<const uint32_t*>(&l);
   }
 }
@@ -707,6 +709,32 @@ __device__ __forceinline__ void wg_rescale_form_p(TileState& st, float (&o)[64],
 #pragma unroll
     for (int q = 0; q < 4; ++q) split2<kF16>(s[8 * t + 2 * q], s[8 * t + 2 * q + 1], ph[t][q], pl[t][q]);
 }
+// Whether none of the warp's rows sees a key of the chunk (lo >= hi: its tokens did not select the
+// chunk, or see none of its keys): then its P is 0 and its state (m, l, O) stays, with no mask,
+// max or exponentials. With M3's 16 heads a group, a warp's 16 rows are one token's: in a prefill
+// group with independent lists most warps of a warpgroup sit out most of its chunks.
+[[maybe_unused]] __device__ __forceinline__ bool wg_warp_sees_none(const int (&lo)[2], const int (&hi)[2]) {
+  return __all_sync(kFull, lo[0] >= hi[0] && lo[1] >= hi[1]);
+}
+[[maybe_unused]] __device__ __forceinline__ void wg_zero_p(uint32_t (&ph)[4][4], uint32_t (&pl)[4][4]) {
+#pragma unroll
+  for (int t = 0; t < 4; ++t)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) ph[t][q] = pl[t][q] = 0u;
+}
+// The chunk's mask, max and weights (the online softmax before O is touched): bf16 takes the max
+// before scaling (the scale is > 0, validated) and folds the scale into the exponent's FMA; e4m3
+// (its scale includes the k descale, read on the device) scales first.
+template <bool kFp8>
+__device__ __forceinline__ void wg_softmax(TileState& st, float (&s)[32], const int (&lo)[2], const int (&hi)[2], int c,
+                                           float scale_log2, float2 row_scale, float (&alpha)[2], float (&sum)[2]) {
+  const bool all_visible = lo[0] == 0 && hi[0] == kChunkKeys && lo[1] == 0 && hi[1] == kChunkKeys;
+  const float sc = kFp8 ? 1.f : scale_log2;
+  float mx[2], m_sub[2];
+  wg_mask_max<kFp8>(s, all_visible, lo, hi, c, row_scale, mx);
+  advance_max(st.m, mx, sc, alpha, m_sub);
+  wg_exp_sum(s, sc, m_sub, sum);
+}
 
 // The wgmma loops' page order (one warp): the pages both warpgroups' tokens selected (or neither's:
 // a page no row sees, which both skip) first, in id order, then the pages of one warpgroup's tokens
@@ -814,16 +842,11 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
       const int chunk_pos = u.x * kPage + (cc & 1) * kChunkKeys;
       int lo[2], hi[2];
       chunk_row_ranges(mask, chunk_pos, row_token, row_lo, row_hi, lo, hi);
-      const bool all_visible = lo[0] == 0 && hi[0] == kChunkKeys && lo[1] == 0 && hi[1] == kChunkKeys;
       wgmma_wait<0>();  // also the previous chunk's P V: o may be rescaled now
-      // Mask and online softmax (base 2), as tile_keys16. bf16: the scale is > 0 (validated), so
-      // the max is taken before scaling and the scale folds into the exponent's FMA; e4m3 (the
-      // scale includes the k descale, read on the device) scales first.
-      const float sc = kFp8 ? 1.f : scale_log2;
-      float mx[2], alpha[2], m_sub[2], sum[2];
-      wg_mask_max<kFp8>(s, all_visible, lo, hi, c, row_scale, mx);
-      advance_max(st.m, mx, sc, alpha, m_sub);
-      wg_exp_sum(s, sc, m_sub, sum);
+      // Mask and online softmax (base 2), as tile_keys16. (The copy-engine loop's skip of warps
+      // whose rows see none of the chunk made ptxas serialize this loop's wgmmas, C7513.)
+      float alpha[2], sum[2];
+      wg_softmax<kFp8>(st, s, lo, hi, c, scale_log2, row_scale, alpha, sum);
       uint32_t ph[4][4], pl[4][4];  // P's A fragments per 16-key step: value and residue
       wg_rescale_form_p<kFp8>(st, o, s, alpha, sum, ph, pl);
       wgmma_fence();
@@ -1021,17 +1044,17 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
     wgmma_wait<1>();  // this chunk's S
     int lo[2], hi[2];
     chunk_row_ranges(mask, chunk_pos, row_token, row_lo, row_hi, lo, hi);
-    const bool all_visible = lo[0] == 0 && hi[0] == kChunkKeys && lo[1] == 0 && hi[1] == kChunkKeys;
-    // bf16: the max before scaling, the scale in the exponent's FMA; e4m3 scales first (wg_chunks).
-    const float sc = kFp8 ? 1.f : scale_log2;
-    float mx[2], alpha[2], m_sub[2], sum[2];
-    wg_mask_max<kFp8>(s, all_visible, lo, hi, c, row_scale, mx);
-    advance_max(st.m, mx, sc, alpha, m_sub);
-    wg_exp_sum(s, sc, m_sub, sum);
+    const bool sees_none = wg_warp_sees_none(lo, hi);  // then P = 0, the state stays
+    float alpha[2], sum[2];
+    if (!sees_none) wg_softmax<kFp8>(st, s, lo, hi, c, scale_log2, row_scale, alpha, sum);
     wgmma_wait<0>();  // the previous chunk's P V: o may be rescaled, its stage or image reused
     release_prev();
     have_p = true;
-    wg_rescale_form_p<kFp8>(st, o, s, alpha, sum, ph, pl);
+    if (sees_none) {
+      wg_zero_p(ph, pl);
+    } else {
+      wg_rescale_form_p<kFp8>(st, o, s, alpha, sum, ph, pl);
+    }
     sa_prev = sa;
   }
   if (have_p) {  // the last chunk's P V

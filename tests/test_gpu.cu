@@ -8,6 +8,7 @@
 //   - the indexer's GPU selection on given scores equals the reference's bit for bit (every branch);
 //   - CUDA-graph capture of MSA decode (a plan's run): seq_lens, top-k and block table changed in
 //     place, replays match eager runs bit for bit;
+//   - MSA's two Hopper wgmma loops (copy engine, cp.async) write the same bits;
 // One host-only test runs everywhere: the one-wave grid rule of the loop-walking kernels' launchers.
 // The ops' GPU-vs-CPU checks run from test_check.cpp (the `m3rt check` registry).
 #include <cuda_bf16.h>
@@ -18,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -732,6 +734,39 @@ TEST_P(GpuMsaGraph, PdlLaunchWaitsForThePrecedingKernel) {
   }
   CUDA_OK(cudaStreamDestroy(st));
 }
+
+// The two forms of the Hopper wgmma loop (verify and prefill groups of more than 64 rows): the
+// copy-engine loop (tensor-map boxes, mbarriers; its warps skip the softmax of chunks their rows do
+// not see) and the cp.async loop (M3RT_MSA_WG_TMA=0) write the same bits, e4m3 and bf16: the same
+// chunks in the same order, the same arithmetic in the same order.
+class GpuMsaLoops : public ::testing::TestWithParam<bool> {};
+
+TEST_P(GpuMsaLoops, CopyEngineLoopMatchesCpAsyncLoopBitwise) {
+  REQUIRE_GPU();
+  if (!kernels::hopper_paths_run()) GTEST_SKIP() << "not a Hopper GPU or no sm_90a code in this build: no wgmma loop";
+  MsaDecodeCase c(GetParam(), 5, 3);  // 80-row groups: the wgmma loop
+  cudaStream_t st = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  for (int round = 0; round < 3; ++round) {
+    c.refill();
+    c.run(st);
+    CUDA_OK(cudaStreamSynchronize(st));
+    const Tensor tma_out = c.out.to(Device::cpu()), tma_lse = c.lse.to(Device::cpu());
+    EXPECT_EQ(c.nan_outputs(), 0) << "round " << round;
+    c.poison();
+    ASSERT_EQ(setenv("M3RT_MSA_WG_TMA", "0", 1), 0);
+    c.run(st);
+    const cudaError_t err = cudaStreamSynchronize(st);
+    unsetenv("M3RT_MSA_WG_TMA");
+    CUDA_OK(err);
+    EXPECT_TRUE(same_bytes(tma_out, c.out)) << "out, round " << round;
+    EXPECT_TRUE(same_bytes(tma_lse, c.lse)) << "lse, round " << round;
+  }
+  CUDA_OK(cudaStreamDestroy(st));
+}
+
+INSTANTIATE_TEST_SUITE_P(CacheDtype, GpuMsaLoops, ::testing::Bool(),
+                         [](const auto& info) { return std::string(info.param ? "fp8" : "bf16"); });
 
 INSTANTIATE_TEST_SUITE_P(CacheDtypeDql, GpuMsaGraph,
                          ::testing::Values(std::tuple(false, 5, 3), std::tuple(true, 5, 3), std::tuple(false, 1, 3),

@@ -29,9 +29,19 @@ class DeviceGuard {
   int prev_ = -1;
 };
 
-// Multiprocessors of the current device (cached per device): kernels that walk their work in a
-// loop launch one wave, multiprocessors x resident blocks per SM.
-int multiprocessor_count();
+// What the launchers plan with on the current device, read once per device (the attribute
+// queries are host time on every launch otherwise).
+struct DeviceLimits {
+  int sms = 0;          // multiprocessors
+  int smem_per_sm = 0;  // shared memory an SM holds, bytes
+  int smem_optin = 0;   // the most dynamic shared memory a block may opt in to, bytes
+  int cc_major = 0;     // compute capability, major
+};
+DeviceLimits device_limits();
+
+// Multiprocessors of the current device: kernels that walk their work in a loop launch one wave,
+// multiprocessors x resident blocks per SM.
+inline int multiprocessor_count() { return device_limits().sms; }
 
 // The grid of a kernel whose blocks walk their work in a loop: x_blocks columns and, per column,
 // enough blocks to fill the GPU once (`resident` blocks fit at a time over all columns), no more

@@ -31,13 +31,7 @@ constexpr bool kBuiltForSm90a = false;
 
 // Host: whether the current device runs the Hopper paths (a compute capability 9 GPU and a build
 // with sm_90a code). The one decision the launchers of the MSA and indexer kernels share.
-inline bool hopper_paths_run() {
-  if (!kBuiltForSm90a) return false;
-  int dev = 0, major = 0;
-  M3RT_CUDA_CHECK(cudaGetDevice(&dev));
-  M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  return major == 9;
-}
+inline bool hopper_paths_run() { return kBuiltForSm90a && detail::device_limits().cc_major == 9; }
 
 // mbarriers (shared::cta) and a bulk copy that completes on one.
 [[maybe_unused]] __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {

@@ -1972,18 +1972,15 @@ void tma_instances(KernelConfig& cfg) {
   cfg.cluster_fn = msa_sparse_kernel<kFp8, 8, true, true, true, kP16>;
 }
 
-// tma: the wgmma loop on the copy engine (p.cache_map encoded); p16: there, P V with P rounded
-// once to 16 bits (MsaParams::p16).
+// tma: the wgmma loop on the copy engine (p.cache_map encoded; the caller passes it only for groups
+// on the wgmma loop); p16: there, P V with P rounded once to 16 bits (MsaParams::p16).
 KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, int64_t ctas, bool tma, bool p16) {
-  int dev = 0, per_sm = 0, optin = 0;
-  M3RT_CUDA_CHECK(cudaGetDevice(&dev));
-  M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
-  M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  const bool lone = msa_group_rows(G, tg) > 64 || ctas <= detail::multiprocessor_count();
+  const detail::DeviceLimits dl = detail::device_limits();
+  const int per_sm = dl.smem_per_sm, optin = dl.smem_optin;
+  const bool lone = msa_group_rows(G, tg) > 64 || ctas <= dl.sms;
   const bool wg = use_wgmma(msa_group_rows(G, tg));
   const int warps = lone ? 8 : 4;
   KernelConfig cfg{};
-  tma = tma && wg;
   if (tma) {
     if (fp8)
       p16 ? tma_instances<true, true>(cfg) : tma_instances<true, false>(cfg);
@@ -2041,10 +2038,8 @@ int d1_ctas_per_sm(bool fp8, int64_t ctas) {
 // three) 151.3 vs 132.1; 32 39.7 vs 39.2 — three CTAs an SM pay where they remove a partial
 // second wave.
 KernelConfig decode1_config(bool fp8, int64_t ctas, bool mixed) {
-  int dev = 0, per_sm = 0, optin = 0;
-  M3RT_CUDA_CHECK(cudaGetDevice(&dev));
-  M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
-  M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  const detail::DeviceLimits dl = detail::device_limits();
+  const int per_sm = dl.smem_per_sm, optin = dl.smem_optin;
   const D1Layout base = d1_layout(fp8, 0);
   const int fixed = base.total - base.q_off;
   const int most = std::min(8, (optin - fixed) / base.stage_bytes);  // 2 fit any sm_80+ GPU

@@ -47,6 +47,15 @@ double measure_gemm_tflops();
 double time_us(const std::function<void(int, CUstream_st*)>& call, int num_sets, bool graph,
                const BenchEnv& env, int calls_per_graph = 20);
 
+// Host microseconds a call of `call(i, stream)` takes to enqueue (eager, no graph): the median over
+// 7 rounds of `calls` calls, each round started on an idle stream; `calls` small enough that the
+// launch queue never fills (then the time is the host's alone). host_us_empty_launch: the same for
+// an empty kernel's launch, the floor of any eager call.
+double host_us_per_call(const std::function<void(int, CUstream_st*)>& call, int num_sets, int calls);
+double host_us_empty_launch();
+// "; host X us a call (an empty kernel's launch Y)", for a row's note.
+std::string host_cost_note(const std::function<void(int, CUstream_st*)>& call, int num_sets, int calls);
+
 // Fills n bf16 values with a hash of (seed, index) mapped to [lo, hi] (never zeros-only data).
 void fill_uniform_bf16(void* p, int64_t n, uint64_t seed, float lo, float hi);
 

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -125,6 +127,41 @@ double time_us(const std::function<void(int, CUstream_st*)>& call, int num_sets,
   cudaEventDestroy(e1);
   cudaStreamDestroy(s);
   return median(samples);
+}
+
+namespace {
+__global__ void empty_kernel() {}
+}  // namespace
+
+double host_us_per_call(const std::function<void(int, CUstream_st*)>& call, int num_sets, int calls) {
+  cudaStream_t s;
+  M3RT_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  for (int i = 0; i < num_sets; ++i) call(i, s);  // first calls: plans' caches, lazy module loading
+  std::vector<double> samples;
+  int set = 0;
+  for (int r = 0; r < 7; ++r) {
+    M3RT_CUDA_CHECK(cudaStreamSynchronize(s));
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < calls; ++i) call(set++ % num_sets, s);
+    const auto t1 = std::chrono::steady_clock::now();
+    samples.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / calls);
+  }
+  M3RT_CUDA_CHECK(cudaStreamSynchronize(s));
+  M3RT_CUDA_CHECK(cudaGetLastError());
+  cudaStreamDestroy(s);
+  return median(samples);
+}
+
+double host_us_empty_launch() {
+  static const double us = host_us_per_call([](int, CUstream_st* st) { empty_kernel<<<1, 32, 0, st>>>(); }, 1, 64);
+  return us;
+}
+
+std::string host_cost_note(const std::function<void(int, CUstream_st*)>& call, int num_sets, int calls) {
+  const double us = host_us_per_call(call, num_sets, calls), floor = host_us_empty_launch();
+  char b[96];
+  std::snprintf(b, sizeof b, "; host %.2f us a call (an empty kernel's launch %.2f)", us, floor);
+  return b;
 }
 
 namespace {

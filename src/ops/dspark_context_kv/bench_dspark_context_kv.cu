@@ -99,7 +99,7 @@ std::vector<BenchRow> bench_dspark_context_kv(const BenchEnv& env) {
       r.ratios = {{"vs unfused", unfused_us / fused_us}};
       char note[96];
       std::snprintf(note, sizeof(note), "unfused %.2f us; eager %.2f us; %d sets", unfused_us, eager_us, sets);
-      r.note = note;
+      r.note = note + host_cost_note([&](int s, CUstream_st* st) { writer(args(s), st); }, sets, 64);
       rows.push_back(r);
     }
   }

@@ -135,7 +135,7 @@ std::vector<BenchRow> bench_lightning_indexer(BenchEnv& env) {
         r.bytes = bytes;
         r.gbps = bytes / (r.us * 1e3);
         r.pct_ceiling = 100.0 * r.gbps / env.copy_gbps;
-        r.note = "selection fused";
+        r.note = "selection fused" + host_cost_note(call, sets, 64);
         rows.push_back(r);
         // Read floors of the same bytes in the same harness: the decode kernel's own page stream
         // (grid, pages, stages) with nothing else, and a contiguous read of as many bytes.

@@ -244,6 +244,7 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
       r.note = mixed.whole > 0 ? std::to_string(mixed.whole) + " whole pairs, the rest in " +
                                      std::to_string(mixed.pieces) + " pieces"
                                : std::to_string(splits) + " splits";
+      r.note += host_cost_note(call, sets, 64);
       if (mixed.whole > 0) {  // the split grid, same run
         const ScopedEnv split_grid("M3RT_MSA_MIXED", "0");
         MsaDecodePlan alt({c.B, c.dql, kHq, kHkv, kTopk, nb, kd}, Device::cuda());
@@ -310,7 +311,7 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
       r.pct_ceiling = 100.0 * r.tflops / env.gemm_tflops;
       r.bytes = bt.unique_slices * double(kPageTokens) * 256 * (fp8 ? 1 : 2);
       r.gbps = r.bytes / (r.us * 1e3);
-      r.note = std::to_string(int(r.tflops)) + " TFLOP/s effective";
+      r.note = std::to_string(int(r.tflops)) + " TFLOP/s effective" + host_cost_note(call, 1, 8);
       rows.push_back(r);
       if (only_l) continue;
       {  // the mma.sync loop the wgmma one replaced on Hopper, same run

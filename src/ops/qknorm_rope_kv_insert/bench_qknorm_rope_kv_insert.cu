@@ -145,7 +145,7 @@ std::vector<BenchRow> bench_qknorm_rope_kv_insert(const BenchEnv& env) {
     } else {
       std::snprintf(note, sizeof(note), "unfused %.2f us; eager %.2f us; %d sets", unfused_us, eager_us, sets);
     }
-    r.note = note;
+    r.note = note + host_cost_note(fused, sets, 64);
     rows.push_back(r);
   }
   return rows;

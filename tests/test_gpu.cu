@@ -48,6 +48,26 @@ using detail::Rng;
 
 #define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
 
+// A device allocation of n T's, freed when it goes out of scope (an ASSERT's early return too).
+template <class T>
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t n) {
+    if (cudaMalloc(&p_, n * sizeof(T)) != cudaSuccess) {
+      p_ = nullptr;
+      (void)cudaGetLastError();
+    }
+  }
+  ~DeviceBuffer() { cudaFree(p_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  T* get() const { return p_; }
+  explicit operator bool() const { return p_ != nullptr; }
+
+ private:
+  T* p_ = nullptr;
+};
+
 // ------------------------------------------------------------------------------------------------
 __global__ void convert_kernel(const float* in, int64_t n, uint16_t* bf, uint16_t* hf, uint8_t* e4) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
@@ -80,21 +100,18 @@ TEST(Gpu, HostConversionsMatchDevice) {
     for (uint32_t lo : {0x0000u, 0x8000u, 0x7fffu, 0x8001u, 0x1000u, 0x0fffu, 0x2000u})
       xs.push_back(bits_float((hi << 16) | lo));
   const int64_t n = int64_t(xs.size());
-  float* din;
-  uint16_t *dbf, *dhf;
-  uint8_t* de4;
-  CUDA_OK(cudaMalloc(&din, n * 4));
-  CUDA_OK(cudaMalloc(&dbf, n * 2));
-  CUDA_OK(cudaMalloc(&dhf, n * 2));
-  CUDA_OK(cudaMalloc(&de4, n));
-  CUDA_OK(cudaMemcpy(din, xs.data(), n * 4, cudaMemcpyHostToDevice));
-  convert_kernel<<<4096, 256>>>(din, n, dbf, dhf, de4);
+  DeviceBuffer<float> din{size_t(n)};
+  DeviceBuffer<uint16_t> dbf{size_t(n)}, dhf{size_t(n)};
+  DeviceBuffer<uint8_t> de4{size_t(n)};
+  ASSERT_TRUE(din && dbf && dhf && de4) << "cudaMalloc";
+  CUDA_OK(cudaMemcpy(din.get(), xs.data(), n * 4, cudaMemcpyHostToDevice));
+  convert_kernel<<<4096, 256>>>(din.get(), n, dbf.get(), dhf.get(), de4.get());
   CUDA_OK(cudaGetLastError());
   std::vector<uint16_t> bf(n), hf(n);
   std::vector<uint8_t> e4(n);
-  CUDA_OK(cudaMemcpy(bf.data(), dbf, n * 2, cudaMemcpyDeviceToHost));
-  CUDA_OK(cudaMemcpy(hf.data(), dhf, n * 2, cudaMemcpyDeviceToHost));
-  CUDA_OK(cudaMemcpy(e4.data(), de4, n, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(bf.data(), dbf.get(), n * 2, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(hf.data(), dhf.get(), n * 2, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(e4.data(), de4.get(), n, cudaMemcpyDeviceToHost));
   int64_t bad_bf = 0, bad_hf = 0, bad_e4 = 0;
   for (int64_t i = 0; i < n; ++i) {
     const float x = xs[size_t(i)];
@@ -108,10 +125,6 @@ TEST(Gpu, HostConversionsMatchDevice) {
   EXPECT_EQ(bad_bf, 0);
   EXPECT_EQ(bad_hf, 0);
   EXPECT_EQ(bad_e4, 0);
-  cudaFree(din);
-  cudaFree(dbf);
-  cudaFree(dhf);
-  cudaFree(de4);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -147,26 +160,22 @@ TEST(Gpu, Fp8QuantizerEqualsIeeeDivision) {
   for (int i = 0; i < 4000; ++i)  // log-uniform over [2^-20, 2^20], random mantissas
     scales.push_back(std::ldexp(std::uniform_real_distribution<float>(1.f, 2.f)(gen),
                                 int(gen() % 41) - 20));
-  float* d_scales;
-  unsigned long long* d_count;
-  unsigned* d_first;
-  CUDA_OK(cudaMalloc(&d_scales, scales.size() * 4));
-  CUDA_OK(cudaMalloc(&d_count, 8));
-  CUDA_OK(cudaMalloc(&d_first, 4));
-  CUDA_OK(cudaMemcpy(d_scales, scales.data(), scales.size() * 4, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemset(d_count, 0, 8));
-  CUDA_OK(cudaMemset(d_first, 0xff, 4));
-  quantizer_kernel<<<dim3(64, unsigned(scales.size())), 256>>>(d_scales, int(scales.size()), d_count, d_first);
+  DeviceBuffer<float> d_scales(scales.size());
+  DeviceBuffer<unsigned long long> d_count(1);
+  DeviceBuffer<unsigned> d_first(1);
+  ASSERT_TRUE(d_scales && d_count && d_first) << "cudaMalloc";
+  CUDA_OK(cudaMemcpy(d_scales.get(), scales.data(), scales.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(d_count.get(), 0, 8));
+  CUDA_OK(cudaMemset(d_first.get(), 0xff, 4));
+  quantizer_kernel<<<dim3(64, unsigned(scales.size())), 256>>>(d_scales.get(), int(scales.size()), d_count.get(),
+                                                                d_first.get());
   CUDA_OK(cudaGetLastError());
   unsigned long long count = 0;
   unsigned first = 0;
-  CUDA_OK(cudaMemcpy(&count, d_count, 8, cudaMemcpyDeviceToHost));
-  CUDA_OK(cudaMemcpy(&first, d_first, 4, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(&count, d_count.get(), 8, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(&first, d_first.get(), 4, cudaMemcpyDeviceToHost));
   EXPECT_EQ(count, 0ull) << "first mismatch: scale " << scales[first >> 16] << ", x = bf16 0x" << std::hex
                          << (first & 0xffff);
-  cudaFree(d_scales);
-  cudaFree(d_count);
-  cudaFree(d_first);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -502,23 +511,20 @@ TEST(GpuIndexerSelect, RowsFromGivenScoresMatchTheReferenceExactly) {
     cu[size_t(b) + 1] = b + 1;
     lens[size_t(b)] = (nbs[size_t(b)] - 1) * kIndexBlockSize + 1 + int(rng.integer(0, kIndexBlockSize - 1));
   }
-  float* d_scores;
-  int32_t *d_cu, *d_lens, *d_out;
   const size_t out_n = size_t(B) * H * 64;
-  CUDA_OK(cudaMalloc(&d_scores, scores.size() * 4));
-  CUDA_OK(cudaMalloc(&d_cu, cu.size() * 4));
-  CUDA_OK(cudaMalloc(&d_lens, lens.size() * 4));
-  CUDA_OK(cudaMalloc(&d_out, out_n * 4));
-  CUDA_OK(cudaMemcpy(d_scores, scores.data(), scores.size() * 4, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(d_cu, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(d_lens, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
+  DeviceBuffer<float> d_scores(scores.size());
+  DeviceBuffer<int32_t> d_cu(cu.size()), d_lens(lens.size()), d_out(out_n);
+  ASSERT_TRUE(d_scores && d_cu && d_lens && d_out) << "cudaMalloc";
+  CUDA_OK(cudaMemcpy(d_scores.get(), scores.data(), scores.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(d_cu.get(), cu.data(), cu.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(d_lens.get(), lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
   int mismatched_rows = 0;
   for (const IndexerSelection& sel : sels) {
     IndexerParams p{};
     p.block_table_stride = max_blocks;
     p.max_blocks = max_blocks;
-    p.seq_lens = d_lens;
-    p.cu_seqlens_q = d_cu;
+    p.seq_lens = d_lens.get();
+    p.cu_seqlens_q = d_cu.get();
     p.num_seqs = B;
     p.num_tokens = B;
     p.max_query_len = 1;
@@ -526,14 +532,14 @@ TEST(GpuIndexerSelect, RowsFromGivenScoresMatchTheReferenceExactly) {
     p.topk = sel.topk;
     p.init_blocks = sel.init_blocks;
     p.local_blocks = sel.local_blocks;
-    p.topk_out = d_out;
+    p.topk_out = d_out.get();
     p.topk_stride_t = int64_t(H) * sel.topk;
-    p.scores = d_scores;
-    CUDA_OK(cudaMemset(d_out, 0x7F, out_n * 4));
+    p.scores = d_scores.get();
+    CUDA_OK(cudaMemset(d_out.get(), 0x7F, out_n * 4));
     indexer_prefill_select_launch(p, nullptr);
     CUDA_OK(cudaDeviceSynchronize());
     std::vector<int32_t> got(size_t(B) * H * sel.topk), want(size_t(sel.topk));
-    CUDA_OK(cudaMemcpy(got.data(), d_out, got.size() * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(got.data(), d_out.get(), got.size() * 4, cudaMemcpyDeviceToHost));
     for (int b = 0; b < B; ++b) {
       for (int h = 0; h < H; ++h) {
         const int nb = nbs[size_t(b)];
@@ -558,10 +564,6 @@ TEST(GpuIndexerSelect, RowsFromGivenScoresMatchTheReferenceExactly) {
     }
   }
   EXPECT_EQ(mismatched_rows, 0);
-  cudaFree(d_scores);
-  cudaFree(d_cu);
-  cudaFree(d_lens);
-  cudaFree(d_out);
 }
 
 

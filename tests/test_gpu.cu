@@ -737,6 +737,14 @@ TEST_P(GpuMsaGraph, PdlLaunchWaitsForThePrecedingKernel) {
   CUDA_OK(cudaStreamDestroy(st));
 }
 
+INSTANTIATE_TEST_SUITE_P(CacheDtypeDql, GpuMsaGraph,
+                         ::testing::Values(std::tuple(false, 5, 3), std::tuple(true, 5, 3), std::tuple(false, 1, 3),
+                                           std::tuple(true, 1, 3), std::tuple(false, 1, 80), std::tuple(true, 1, 140)),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param) ? "fp8" : "bf16") + "_dql" +
+                                  std::to_string(std::get<1>(info.param)) + "_b" + std::to_string(std::get<2>(info.param));
+                         });
+
 // The two forms of the Hopper wgmma loop (verify and prefill groups of more than 64 rows): the
 // copy-engine loop (tensor-map boxes, mbarriers; its warps skip the softmax of chunks their rows do
 // not see) and the cp.async loop (M3RT_MSA_WG_TMA=0) write the same bits, e4m3 and bf16: the same
@@ -756,11 +764,14 @@ TEST_P(GpuMsaLoops, CopyEngineLoopMatchesCpAsyncLoopBitwise) {
     const Tensor tma_out = c.out.to(Device::cpu()), tma_lse = c.lse.to(Device::cpu());
     EXPECT_EQ(c.nan_outputs(), 0) << "round " << round;
     c.poison();
-    ASSERT_EQ(setenv("M3RT_MSA_WG_TMA", "0", 1), 0);
-    c.run(st);
-    const cudaError_t err = cudaStreamSynchronize(st);
-    unsetenv("M3RT_MSA_WG_TMA");
-    CUDA_OK(err);
+    {
+      struct CpAsyncLoop {  // the launcher's switch, unset however the scope ends
+        CpAsyncLoop() { setenv("M3RT_MSA_WG_TMA", "0", 1); }
+        ~CpAsyncLoop() { unsetenv("M3RT_MSA_WG_TMA"); }
+      } cp_async_loop;
+      c.run(st);
+      CUDA_OK(cudaStreamSynchronize(st));
+    }
     EXPECT_TRUE(same_bytes(tma_out, c.out)) << "out, round " << round;
     EXPECT_TRUE(same_bytes(tma_lse, c.lse)) << "lse, round " << round;
   }
@@ -769,13 +780,5 @@ TEST_P(GpuMsaLoops, CopyEngineLoopMatchesCpAsyncLoopBitwise) {
 
 INSTANTIATE_TEST_SUITE_P(CacheDtype, GpuMsaLoops, ::testing::Bool(),
                          [](const auto& info) { return std::string(info.param ? "fp8" : "bf16"); });
-
-INSTANTIATE_TEST_SUITE_P(CacheDtypeDql, GpuMsaGraph,
-                         ::testing::Values(std::tuple(false, 5, 3), std::tuple(true, 5, 3), std::tuple(false, 1, 3),
-                                           std::tuple(true, 1, 3), std::tuple(false, 1, 80), std::tuple(true, 1, 140)),
-                         [](const auto& info) {
-                           return std::string(std::get<0>(info.param) ? "fp8" : "bf16") + "_dql" +
-                                  std::to_string(std::get<1>(info.param)) + "_b" + std::to_string(std::get<2>(info.param));
-                         });
 
 }  // namespace

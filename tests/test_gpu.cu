@@ -765,10 +765,7 @@ TEST_P(GpuMsaLoops, CopyEngineLoopMatchesCpAsyncLoopBitwise) {
     EXPECT_EQ(c.nan_outputs(), 0) << "round " << round;
     c.poison();
     {
-      struct CpAsyncLoop {  // the launcher's switch, unset however the scope ends
-        CpAsyncLoop() { setenv("M3RT_MSA_WG_TMA", "0", 1); }
-        ~CpAsyncLoop() { unsetenv("M3RT_MSA_WG_TMA"); }
-      } cp_async_loop;
+      const detail::ScopedEnv cp_async_loop("M3RT_MSA_WG_TMA", "0");
       c.run(st);
       CUDA_OK(cudaStreamSynchronize(st));
     }

@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "m3rt/error.h"
@@ -61,6 +62,22 @@ void raise_smem_limit(const void* fn, int smem);
 // numeric override replaces a tuned value when set and non-empty.
 bool switched_off(const char* name);
 int env_int(const char* name, int fallback);
+// Sets environment variable `name` to `value` for a scope (benchmarks and tests switching a
+// launcher's path); unset when the scope ends, however it ends. value nullptr: no-op.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(value ? name : nullptr) {
+    if (name_) setenv(name_, value, 1);
+  }
+  ~ScopedEnv() {
+    if (name_) unsetenv(name_);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+};
 
 // cudaOccupancyMaxActiveBlocksPerMultiprocessor for kernel `fn` on the current device, cached per
 // (device, kernel, block size, dynamic shared memory): launchers that size one-wave grids ask on

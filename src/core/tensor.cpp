@@ -239,26 +239,22 @@ void check_launch(cudaStream_t stream, const char* kernel, const char* file, int
 }
 
 DeviceLimits device_limits() {
+  auto query = [](int dev) {
+    DeviceLimits l;
+    M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&l.sms, cudaDevAttrMultiProcessorCount, dev));
+    M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&l.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+    M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&l.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&l.cc_major, cudaDevAttrComputeCapabilityMajor, dev));
+    return l;
+  };
   constexpr int kCached = 64;  // devices beyond it are queried on every call
+  static std::once_flag once[kCached];
   static DeviceLimits cache[kCached];
-  static std::atomic<bool> ready[kCached] = {};
-  static std::mutex mu;
   int dev = 0;
   M3RT_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < kCached && ready[dev].load(std::memory_order_acquire)) return cache[dev];
-  DeviceLimits l;
-  M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&l.sms, cudaDevAttrMultiProcessorCount, dev));
-  M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&l.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
-  M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&l.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&l.cc_major, cudaDevAttrComputeCapabilityMajor, dev));
-  if (dev < kCached) {
-    const std::lock_guard<std::mutex> lock(mu);
-    if (!ready[dev].load(std::memory_order_relaxed)) {
-      cache[dev] = l;
-      ready[dev].store(true, std::memory_order_release);
-    }
-  }
-  return l;
+  if (dev >= kCached) return query(dev);
+  std::call_once(once[dev], [&] { cache[dev] = query(dev); });  // a throw leaves it to the next call
+  return cache[dev];
 }
 
 void raise_smem_limit(const void* fn, int smem) {

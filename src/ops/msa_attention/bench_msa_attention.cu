@@ -134,18 +134,7 @@ std::vector<Batch> make_sets(std::mt19937_64& rng, bool fp8, int B, int ctx, int
   return out;
 }
 
-// Sets an environment variable (the plan's tuning knobs, M3RT_MSA_*) for a scope; nullptr: no-op.
-struct ScopedEnv {
-  const char* name;
-  ScopedEnv(const char* n, const char* value) : name(value ? n : nullptr) {
-    if (name) setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (name) unsetenv(name);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-};
+using detail::ScopedEnv;  // the plan's tuning knobs (M3RT_MSA_*) for a scope
 
 }  // namespace
 

@@ -77,6 +77,28 @@ inline bool hopper_paths_run() { return kBuiltForSm90a && detail::device_limits(
 [[maybe_unused]] __device__ __forceinline__ void fence_mbarrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
+// Named barrier `id` (1..15; 0 is __syncthreads') over `threads` threads, a multiple of 32: wait
+// for all of them, or arrive without waiting (a hand-off to the warps that wait on it).
+[[maybe_unused]] __device__ __forceinline__ void named_bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+[[maybe_unused]] __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// A warpgroup's register budget, raised or lowered (sm_90a; every warp of the warpgroup executes
+// it; the kernel's launch bounds fix the count at entry).
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
 // Programmatic dependent launch: wait until the grids this one depends on have completed and
 // their writes are visible (a no-op for a grid launched without the attribute), and let the next
 // grid on the stream, if launched with it, be scheduled. No-ops before sm_90.

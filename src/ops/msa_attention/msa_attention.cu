@@ -617,10 +617,10 @@ __device__ __forceinline__ void cluster_merge(const ClusterMergeArgs& a) {
 // raw stage: 64 rows of 256 bytes, 16-byte piece pc of row r at pc ^ (r % 8) (cp.async), or
 // (kBoxes, the copy-engine loop) two tensor-map boxes of 64 rows x 128 bytes, K bytes then V
 // bytes, piece q of row r at q ^ (r % 8); there V rows at or past `valid` become zeros (stale rows
-// of a partial chunk). Threads 0 .. kThreads - 1 share the work.
+// of a partial chunk). Threads t = 0 .. kThreads - 1 share the work.
 template <int kThreads, bool kBoxes = false>
-__device__ __forceinline__ void wg_convert_e4m3(const char* raw, char* image, int valid = kChunkKeys) {
-  const int t = threadIdx.x;
+__device__ __forceinline__ void wg_convert_e4m3(const char* raw, char* image, int valid = kChunkKeys,
+                                                int t = int(threadIdx.x)) {
 #pragma unroll
   for (int k = 0; k < kChunkKeys * 16 / kThreads; ++k) {
     const int piece = t + kThreads * k, r = piece / 16, pc = piece % 16;
@@ -1068,6 +1068,196 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
 #endif
 }
 
+// Chunk c of the page union as the copy-engine loops load it: 64-key boxes of 128 bytes (bf16: K
+// dims 0-63, K 64-127, V 0-63, V 64-127; e4m3: K, V) of the cache's tensor map {row element, key,
+// KV head, page}, each one 128-byte-swizzled region of `dst`, completing `bytes` on `bar`.
+template <bool kFp8>
+__device__ __forceinline__ void load_chunk_boxes(char* dst, const void* map, const int4* uniq, int c, int kv_head,
+                                                 uint32_t bytes, uint64_t* bar) {
+  const int4 u = uniq[c >> 1];
+  kernels::mbar_arrive_expect_tx(bar, bytes);
+  constexpr int kBoxes = kFp8 ? 2 : 4, kBoxElems = kFp8 ? 128 : 64;
+#pragma unroll
+  for (int r = 0; r < kBoxes; ++r)
+    kernels::tma_load_4d(dst + r * (kChunkKeys * 128), map, kBoxElems * r, (c & 1) * kChunkKeys, kv_head, u.y, bar);
+}
+
+// The warp-specialized e4m3 loop (kWs instances: 384 threads, unsplit groups of more than 64
+// rows). A third warpgroup, the producer, keeps the copy engine and the conversions off the
+// consumers' path: its thread 0 loads the chunks any token sees (live chunks, in order) into the
+// raw stages, and its 128 threads convert live chunk q into f16 image q % 3 once that image is free
+// (img_empty: every consumer warp done with live chunk q - 3), then mark it img_full (one arrival a
+// producer warp); a raw stage is refilled with live chunk q + stages as soon as the producer has
+// converted chunk q out of it. The two consumer warpgroups run the copy-engine loop's Q K^T,
+// softmax and P V on the images, with no conversion, refill or CTA barrier of their own; a
+// warpgroup none of whose tokens selected a live chunk still waits for its image before releasing
+// it (its arrivals may not count toward an older use of the image).
+[[maybe_unused]] constexpr int kWsProducerRegs = 40, kWsConsumerRegs = 232;  // 128 x 40 + 256 x 232 <= 65536
+// The producer warpgroup's whole part (threads 256..383 of a kWs CTA). It finds out by itself
+// whether the group has work (the row threads' own tests on the same inputs), lowers its register
+// budget (the row warps' raise waits for it), waits for the row threads' prologue (named barrier 2;
+// misc[8]: the union's size), then loads and converts.
+__device__ __forceinline__ void ws_produce_e4m3(const MsaParams& p, int tg, const SmemLayout& L, char* area,
+                                                const int4* uniq, const int* misc, uint64_t* bars, int stages,
+                                                int kv_head) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace kernels;
+  Group gr;
+  const bool work =
+      resolve_group(p, tg, blockIdx.x, gr) && (p.cu_seqlens_q || decode_group_length(p, p.seq_lens[gr.b], gr));
+  setmaxnreg_dec<kWsProducerRegs>();
+  if (!work) return;
+  named_bar_sync(2, 256 + 128);
+  const int c_end = 2 * misc[8], seq_len = gr.seq_len;  // unsplit: every chunk of the union
+  char* images = area + stages * L.stage_bytes;
+  uint64_t* full = bars;
+  uint64_t* img_full = bars + 2 * stages;
+  uint64_t* img_empty = img_full + kWgImages;
+  const int pt = int(threadIdx.x) % 128, lane = pt % 32;
+  int fill_c = 0, fills = 0;  // thread 0's next chunk to consider, live chunks filled
+  auto next_fill = [&] {
+    while (fill_c < c_end && chunk_mask(uniq, fill_c) == 0) ++fill_c;
+    if (fill_c < c_end) {
+      const int slot = fills % stages;
+      load_chunk_boxes<true>(area + slot * L.stage_bytes, p.cache_map, uniq, fill_c, kv_head,
+                             uint32_t(L.stage_bytes), &full[slot]);
+      ++fills;
+      ++fill_c;
+    }
+  };
+  if (pt == 0)
+    for (int j = 0; j < stages; ++j) next_fill();
+  int q = 0;
+  for (int cc = 0; cc < c_end; ++cc) {
+    const int4 u = uniq[cc >> 1];
+    if ((cc & 1 ? u.w : u.z) == 0) continue;  // no token sees it: never loaded
+    const int slot = q % stages, img = q % kWgImages;
+    mbar_wait(&full[slot], (q / stages) & 1);
+    if (q >= kWgImages) mbar_wait(&img_empty[img], ((q / kWgImages) - 1) & 1);
+    int tid_now;  // the thread index read again: its piece addresses recomputed, not held across chunks
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid_now));
+    wg_convert_e4m3<128, true>(area + slot * L.stage_bytes, images + img * kWgImageBytes,
+                               seq_len - (u.x * kPage + (cc & 1) * kChunkKeys), tid_now % 128);
+    fence_proxy_async();  // this thread's image writes, visible to the tensor cores
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&img_full[img]);
+    named_bar_sync(3, 128);  // every producer thread is done reading the raw stage
+    if (pt == 0) next_fill();
+    ++q;
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // launched only by sm_90a builds on sm_90 devices (kernel_config)
+#endif
+}
+
+// The row warps' part (threads 0..255): the mbarriers set up and the producer released (named
+// barrier 2), then the copy-engine loop's math on the images.
+template <bool kP16>
+__device__ __forceinline__ void wg_chunks_ws(TileState& st, float (&o)[64], const int4* uniq, const char* q_s,
+                                             char* images, int c_begin, int c_end, int rows, int G,
+                                             const int (&row_token)[2], const int (&row_lo)[2],
+                                             const int (&row_hi)[2], float scale_log2, float2 row_scale,
+                                             uint64_t* bars, int stages) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace kernels;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, c = lane % 4, wg = warp / 4;
+  const uint32_t wg_tokens = wg_token_mask(wg, rows, G);
+  uint64_t* img_full = bars + 2 * stages;  // full [stages], (unused) [stages], img_full, img_empty
+  uint64_t* img_empty = img_full + kWgImages;
+  if (tid == 0) {
+    for (int s = 0; s < stages; ++s) mbar_init(&bars[s], 1);
+    for (int s = 0; s < kWgImages; ++s) {
+      mbar_init(&img_full[s], 4);   // every producer warp
+      mbar_init(&img_empty[s], 8);  // every row warp
+    }
+    fence_mbarrier_init();
+  }
+  fence_proxy_async();  // the prologue's shared-memory accesses to the stage area, before the copies
+  named_bar_sync(1, 256);
+  named_bar_arrive(2, 256 + 128);  // the producer may start
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  uint32_t qa[8][4];
+  wg_load_q(qa, q_s, warp, lane);
+  uint32_t ph[4][4], pl[4][4];  // the previous chunk's P (value and residue)
+  uint32_t sa_prev = 0;         // the previous chunk's image
+  int prev_img = 0, q = 0;      // q: live chunks so far
+  bool have_p = false;
+  auto pv = [&] {  // O += P V of the previous chunk (value and residue; kP16: the value alone)
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const uint64_t desc = sw128_desc(sa_prev + 2 * (kChunkKeys * 128) + t * 2048, kWgVLeading, kWgVStride);
+      wgmma_m64k16<128, true, true>(o, ph[t], desc);
+      if constexpr (!kP16) wgmma_m64k16<128, true, true>(o, pl[t], desc);
+    }
+  };
+  for (int cc = c_begin; cc < c_end; ++cc) {
+    const int4 u = uniq[cc >> 1];  // {id, page, mask of half 0, mask of half 1}
+    const uint32_t mask = uint32_t(cc & 1 ? u.w : u.z);
+    if (mask == 0) continue;  // no token sees it: never loaded
+    const int img = q % kWgImages;
+    const uint32_t parity = (q / kWgImages) & 1;
+    ++q;
+    const uint32_t sa = smem_u32(images + img * kWgImageBytes);
+    if ((mask & wg_tokens) == 0) {
+      if (have_p) {
+        wgmma_fence();
+        pv();
+        wgmma_commit();
+      }
+      mbar_wait(&img_full[img], parity);
+      wgmma_wait<0>();
+      if (lane == 0) {  // the previous chunk done with, this one not needed
+        if (have_p) mbar_arrive(&img_empty[prev_img]);
+        mbar_arrive(&img_empty[img]);
+      }
+      have_p = false;
+      continue;
+    }
+    mbar_wait(&img_full[img], parity);
+    float s[32];
+    // This chunk's Q K^T, then (a second commit group, empty without one) the previous chunk's
+    // P V, which runs under this chunk's softmax until o is rescaled.
+    if (have_p) {
+      wgmma_fence();
+      wgmma_k128<64, true>(s, qa, sa, kChunkKeys * 128);
+      wgmma_commit();
+      pv();
+      wgmma_commit();
+    } else {
+      wgmma_fence();
+      wgmma_k128<64, true>(s, qa, sa, kChunkKeys * 128);
+      wgmma_commit();
+      wgmma_commit();
+    }
+    wgmma_wait<1>();  // this chunk's S
+    int lo[2], hi[2];
+    chunk_row_ranges(mask, u.x * kPage + (cc & 1) * kChunkKeys, row_token, row_lo, row_hi, lo, hi);
+    const bool sees_none = wg_warp_sees_none(lo, hi);  // then P = 0, the state stays
+    float alpha[2], sum[2];
+    if (!sees_none) wg_softmax<true>(st, s, lo, hi, c, scale_log2, row_scale, alpha, sum);
+    wgmma_wait<0>();  // the previous chunk's P V: o may be rescaled, its image reused
+    if (lane == 0 && have_p) mbar_arrive(&img_empty[prev_img]);
+    have_p = true;
+    if (sees_none) {
+      wg_zero_p(ph, pl);
+    } else {
+      wg_rescale_form_p<true>(st, o, s, alpha, sum, ph, pl);
+    }
+    sa_prev = sa;
+    prev_img = img;
+  }
+  if (have_p) {  // the last chunk's P V
+    wgmma_fence();
+    pv();
+    wgmma_commit();
+  }
+  wgmma_wait<0>();
+#elif defined(__CUDA_ARCH__)
+  __trap();  // launched only by sm_90a builds on sm_90 devices (kernel_config)
+#endif
+}
+
 // The split merge through global memory (split decode without clusters): each split stores its
 // rows' (m, l) and weighted output (summed(row, col)) in the plan's scratch (the pair's splits at
 // slots pair x slot_stride + split), the last to arrive (a per-(group, KV head) counter that it
@@ -1163,13 +1353,22 @@ __device__ __forceinline__ void store_row(const MsaParams& p, int64_t t, int h, 
 // kWg (sm_90a, 8 warps): the loop over chunks on wgmma, two warpgroups of 64 rows (wg_chunks);
 // kTma (with kWg, bf16): that loop fed by the copy engine, the warpgroups free of each other
 // (wg_chunks_tma). Everything before and after the loop is the same code.
-template <bool kFp8, int kWarps, bool kCluster, bool kWg = false, bool kTma = false, bool kP16 = false>
-__global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
+template <bool kFp8, int kWarps, bool kCluster, bool kWg = false, bool kTma = false, bool kP16 = false,
+          bool kWs = false>
+__global__ void __launch_bounds__(kWarps * 32 + (kWs ? 128 : 0), kWs ? 1 : 8 / kWarps)
     msa_sparse_kernel(const __grid_constant__ MsaParams p, int stages) {
   kernels::grid_dependency_wait();  // launched with PDL (p.pdl): nothing is read before this
-  constexpr int kThreads = kWarps * 32;
+  constexpr int kThreads = kWarps * 32;  // the threads that serve the rows (kWs: and a producer warpgroup)
   static_assert(!kWg || kWarps == 8, "the wgmma loop runs on two warpgroups");
   static_assert(!kTma || kWg, "the copy-engine loop is a form of the wgmma loop");
+  static_assert(!kWs || (kTma && kFp8 && !kCluster), "the producer warpgroup serves unsplit e4m3 copy-engine loops");
+  // The row threads' barrier: the whole CTA, or (kWs) named barrier 1 without the producer.
+  auto csync = [] {
+    if constexpr (kWs)
+      kernels::named_bar_sync(1, kThreads);
+    else
+      __syncthreads();
+  };
   extern __shared__ __align__(128) char smem_raw[];
   // The wgmma instances' stages start on a 1024-byte boundary (the swizzle atom): their shared
   // memory has 1024 bytes of slack for it.
@@ -1191,6 +1390,13 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int kv_head = blockIdx.y, split = blockIdx.z;
   const int splits = p.num_splits > 1 ? p.num_splits : 1;
+  if constexpr (kWs) {
+    if (tid >= kThreads) {  // the producer warpgroup
+      ws_produce_e4m3(p, tg, L, area, uniq, misc, reinterpret_cast<uint64_t*>(smem + L.bar_off), stages, kv_head);
+      return;
+    }
+    kernels::setmaxnreg_inc<kWsConsumerRegs>();
+  }
 
   Group gr;
   if (!resolve_group(p, tg, blockIdx.x, gr)) return;  // uniform over the group's splits
@@ -1233,7 +1439,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
   const bool bitmap = raw_bytes + int64_t(nb_all) * 4 <= L.q_off;
   if (bitmap)
     for (int i = tid; i < nb_all; i += kThreads) sel[i] = 0u;
-  __syncthreads();
+  csync();
 
   const int32_t* table = p.block_table + int64_t(gr.b) * p.block_table_stride;
   // Exclusive block-wide scan of per-thread counts; misc[8] = the total.
@@ -1245,7 +1451,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
       if (lane >= o) incl += v;
     }
     if (lane == 31) misc[warp] = incl;
-    __syncthreads();
+    csync();
     int base = incl - mine;
     for (int w = 0; w < warp; ++w) base += misc[w];
     if (tid == kThreads - 1) misc[8] = base + mine;
@@ -1270,7 +1476,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
       const int r = e / K, id = raw[e];
       if (id >= 0 && id < tok_range[r].z) atomicOr(&sel[id], 1u << r);
     }
-    __syncthreads();
+    csync();
     const int seg = (nb_all + kThreads - 1) / kThreads, i0 = min(tid * seg, nb_all), i1 = min(i0 + seg, nb_all);
     int mine = 0;
     for (int i = i0; i < i1; ++i)
@@ -1294,7 +1500,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
       }
       keys[e] = key;
     }
-    __syncthreads();
+    csync();
     for (int k = 2; k <= L.n_pad; k <<= 1)
       for (int j = k >> 1; j > 0; j >>= 1) {
         for (int i = tid; i < L.n_pad; i += kThreads) {
@@ -1307,7 +1513,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
             }
           }
         }
-        __syncthreads();
+        csync();
       }
     // Unique ids in order: each thread counts the first occurrences in its segment, a scan over
     // the segments gives their slots.
@@ -1327,7 +1533,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
       emit(base++, int(id), int(uint32_t(keys[e])), tokens);
     }
   }
-  __syncthreads();
+  csync();
   const int U = misc[8], C = 2 * U;
   // e4m3 on the wgmma loops: the two warpgroups' pages interleaved (wg_page_order). H200, against id
   // order in the same call: verify dql 8 B32 1.02x, prefill 8K / 32K 1.01x / 1.02x (shared8 32K
@@ -1336,7 +1542,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
   if constexpr (kWg && kFp8) {
     if (warp == 0)
       wg_page_order(uniq, U, wg_token_mask(0, rows, G), wg_token_mask(1, rows, G), reinterpret_cast<int4*>(area));
-    __syncthreads();
+    csync();
   }
   const int c_begin = int(int64_t(split) * C / splits), c_end = int(int64_t(split + 1) * C / splits);
 
@@ -1395,31 +1601,24 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
   if constexpr (kFp8) {
     float* q_factor = reinterpret_cast<float*>(smem + L.qf_off);
     cp_async_wait<0>();  // the queries (no chunk is in flight yet)
-    __syncthreads();
+    csync();
     q_rows_to_f16<kThreads>(q_s, q_factor, rows);
-    __syncthreads();
+    csync();
     const int r0 = (kWg ? warp : tile) * 16 + g;  // the thread's rows r0, r0 + 8
     row_scale.x = scale_log2 * (r0 < rows ? q_factor[r0] : 1.f);
     row_scale.y = scale_log2 * (r0 + 8 < rows ? q_factor[r0 + 8] : 1.f);
   }
   float wo[kWg ? 64 : 1];  // the wgmma loop's O accumulator (rows g, g + 8; dims 8 i + 2 c + e)
-  if constexpr (kTma) {
-    // A chunk: 64-key boxes of 128 bytes (bf16: K dims 0-63, K 64-127, V 0-63, V 64-127; e4m3: K,
-    // V) of the cache's tensor map {row element, key, KV head, page}, each one 128-byte-swizzled
-    // region of the stage.
-    auto fill = [&](int c, int slot, uint64_t* bar) {
+  if constexpr (kWs) {
+    wg_chunks_ws<kP16>(st, wo, uniq, q_s, area + stages * L.stage_bytes, c_begin, c_end, rows, G, row_token, row_lo,
+                       row_hi, scale_log2, row_scale, reinterpret_cast<uint64_t*>(smem + L.bar_off), stages);
+  } else if constexpr (kTma) {
+    auto fill = [&](int c, int slot, uint64_t* bar) {  // or an arrival alone for a chunk no token sees
       if (chunk_mask(uniq, c) == 0) {
         kernels::mbar_arrive(bar);
         return;
       }
-      const int4 u = uniq[c >> 1];
-      char* dst = area + slot * L.stage_bytes;
-      kernels::mbar_arrive_expect_tx(bar, uint32_t(L.stage_bytes));
-      constexpr int kBoxes = kFp8 ? 2 : 4, kBoxElems = kFp8 ? 128 : 64;
-#pragma unroll
-      for (int r = 0; r < kBoxes; ++r)
-        kernels::tma_load_4d(dst + r * (kChunkKeys * 128), p.cache_map, kBoxElems * r, (c & 1) * kChunkKeys, kv_head,
-                             u.y, bar);
+      load_chunk_boxes<kFp8>(area + slot * L.stage_bytes, p.cache_map, uniq, c, kv_head, uint32_t(L.stage_bytes), bar);
     };
     wg_chunks_tma<kFp8, kP16>(st, wo, uniq, q_s, area, L.stage_bytes, stages, c_begin, c_end, rows, G, row_token,
                               row_lo, row_hi, scale_log2, row_scale, gr.seq_len,
@@ -1436,7 +1635,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
       const int i = c - c_begin;
       for (int q = 0; q < CL; ++q) issue(c + stages - CL + q, (i + stages - CL + q) % stages);
       cp_async_wait_dyn(stages - CL);
-      __syncthreads();
+      csync();
       const int cc = c + lg;
       const uint32_t mask = cc < c_end ? chunk_mask(uniq, cc) : 0u;
       if ((mask & tile_tokens) != 0) {  // some token of this warp's tile selected the chunk
@@ -1449,11 +1648,11 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
           tile_keys16<kFp8>(st, q_s, stage + key0 * kRowBytes, off, key0, lo, hi, scale_log2, row_scale);
         }
       }
-      __syncthreads();  // the stages are refilled next iteration
+      csync();  // the stages are refilled next iteration
     }
   }
   cp_async_wait<0>();
-  __syncthreads();
+  csync();
 
   // Merge the key parts: per row, max and weight of each part, then sums in part order.
   float* fin = reinterpret_cast<float*>(area);
@@ -1466,7 +1665,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
       if (lane % 4 == 0) part_ml[kp * L.rows + tile * 16 + g + rs * 8] = make_float2(st.m[rs], l);
     }
   }
-  __syncthreads();
+  csync();
   if (tid < R * 16) {
     float m = -INFINITY;
     for (int k = 0; k < KS; ++k) m = fmaxf(m, part_ml[k * L.rows + tid].x);
@@ -1477,7 +1676,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
     }
     row_ml[tid] = make_float2(m, l);
   }
-  __syncthreads();
+  csync();
   // Each key part's O, weighted, in its own plane of `fin` (no read-modify-write); readers sum
   // the planes in part order.
   const int plane = R * 16 * 128;  // this group's tile rows: KS x R <= warps planes fit the area
@@ -1498,7 +1697,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
         }
     }
   }
-  __syncthreads();
+  csync();
   auto summed = [&](int row, int col) {
     const int i = fin_index(row, col);
     float v = fin[i];
@@ -1558,9 +1757,9 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
     if (tid < rows) pml[tid] = row_ml[tid];
   }
   __threadfence();
-  __syncthreads();
+  csync();
   if (tid == 0) misc[9] = atomicAdd(p.counters + pair, 1) + 1 == splits;
-  __syncthreads();
+  csync();
   if (!misc[9]) return;
   __threadfence();
   // The last split: merge the splits' partials in split order.
@@ -1583,7 +1782,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
     }
     row_ml[tid] = make_float2(m, l);
   }
-  __syncthreads();
+  csync();
   // Every split's piece of an output float4 in flight at once.
   for (int it = tid; it < rows * 32; it += kThreads) {
     const int row = it / 32, c0 = (it % 32) * 4;
@@ -1605,7 +1804,7 @@ __global__ void __launch_bounds__(kWarps * 32, 8 / kWarps)
 #pragma unroll
     for (int e = 0; e < 4; ++e) fin[fin_index(row, c0 + e)] = acc[e];
   }
-  __syncthreads();
+  csync();
   for (int row = warp; row < rows; row += kWarps) {
     const float2 ml = row_ml[row];
     write_row(row, ml.x, ml.y, [&](int col) { return fin[fin_index(row, col)]; });
@@ -1919,6 +2118,7 @@ struct KernelConfig {
   KernelFn fn;          // plain launches
   KernelFn cluster_fn;  // the same kernel launched as clusters of the splits (merge through DSMEM)
   int threads, stages, smem;
+  int cluster_threads;  // cluster_fn's (fn's, but for the e4m3 producer warpgroup: 128 more)
 };
 
 bool use_wgmma(int rows) {
@@ -1966,10 +2166,14 @@ bool encode_cache_map(MsaParams& p) {
 }
 
 // The copy-engine instances (the wgmma loop on tensor-map copies), plain and clustered.
+// The copy-engine instances; e4m3's unsplit launches with the producer warpgroup (kWs; 384
+// threads) unless M3RT_MSA_WS=0 (benchmarks: the copy-engine loop that converts in the row warps).
 template <bool kFp8, bool kP16>
 void tma_instances(KernelConfig& cfg) {
-  cfg.fn = msa_sparse_kernel<kFp8, 8, false, true, true, kP16>;
+  const bool ws = kFp8 && !switched_off("M3RT_MSA_WS");
+  cfg.fn = ws ? msa_sparse_kernel<kFp8, 8, false, true, true, kP16, kFp8> : msa_sparse_kernel<kFp8, 8, false, true, true, kP16>;
   cfg.cluster_fn = msa_sparse_kernel<kFp8, 8, true, true, true, kP16>;
+  cfg.threads = ws ? 384 : 256;
 }
 
 // tma: the wgmma loop on the copy engine (p.cache_map encoded; the caller passes it only for groups
@@ -1996,7 +2200,8 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
     cfg.fn = lone ? msa_sparse_kernel<false, 8, false> : msa_sparse_kernel<false, 4, false>;
     cfg.cluster_fn = lone ? msa_sparse_kernel<false, 8, true> : msa_sparse_kernel<false, 4, true>;
   }
-  cfg.threads = warps * 32;
+  cfg.cluster_threads = warps * 32;
+  if (!tma) cfg.threads = warps * 32;
   const int images = wg && fp8 ? kWgImages * kWgImageBytes : 0;
   const SmemLayout base = smem_layout(fp8, 0, tg, G, topk, max_blocks, warps, images, tma ? tma_bars(fp8, 8) : 0);
   const int slack = wg ? 1024 : 0;  // wgmma: the stages' 1024-byte alignment
@@ -2052,7 +2257,7 @@ KernelConfig decode1_config(bool fp8, int64_t ctas, bool mixed) {
   else
     cfg.fn = fp8 ? msa_decode1_kernel<true, false> : msa_decode1_kernel<false, false>;
   cfg.cluster_fn = fp8 ? msa_decode1_kernel<true, true> : msa_decode1_kernel<false, true>;
-  cfg.threads = kD1Threads;
+  cfg.threads = cfg.cluster_threads = kD1Threads;
   cfg.stages = stages;
   cfg.smem = d1_layout(fp8, stages).total;
   raise_smem_limit({cfg.fn, cfg.cluster_fn}, cfg.smem);
@@ -2091,7 +2296,8 @@ bool cluster_merge_fits(const KernelConfig& cfg, dim3 grid, int splits) {
       cudaFuncSetAttribute(cfg.cluster_fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
     fits = false;
   if (fits) {
-    const detail::LaunchEx ex(grid, dim3(unsigned(cfg.threads)), size_t(cfg.smem), nullptr, unsigned(splits), false);
+    const detail::LaunchEx ex(grid, dim3(unsigned(cfg.cluster_threads)), size_t(cfg.smem), nullptr, unsigned(splits),
+                              false);
     int clusters = 0;
     fits = cudaOccupancyMaxActiveClusters(&clusters, cfg.cluster_fn, &ex.lc) == cudaSuccess && clusters >= needed;
   }
@@ -2207,8 +2413,8 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
     call.pdl_trigger = 2 * ctas <= sms || 20 * ctas >= 19 * slots;
   }
   if (cluster || pdl) {
-    const detail::LaunchEx ex(grid, dim3(unsigned(cfg.threads)), size_t(cfg.smem), stream,
-                              cluster ? unsigned(splits) : 1u, pdl);
+    const detail::LaunchEx ex(grid, dim3(unsigned(cluster ? cfg.cluster_threads : cfg.threads)), size_t(cfg.smem),
+                              stream, cluster ? unsigned(splits) : 1u, pdl);
     M3RT_CUDA_CHECK(cudaLaunchKernelEx(&ex.lc, cluster ? cfg.cluster_fn : cfg.fn, call, cfg.stages));
   } else {
     cfg.fn<<<grid, cfg.threads, cfg.smem, stream>>>(call, cfg.stages);

@@ -738,7 +738,8 @@ TEST_P(GpuMsaGraph, PdlLaunchWaitsForThePrecedingKernel) {
 }
 
 INSTANTIATE_TEST_SUITE_P(CacheDtypeDql, GpuMsaGraph,
-                         ::testing::Values(std::tuple(false, 5, 3), std::tuple(true, 5, 3), std::tuple(false, 1, 3),
+                         ::testing::Values(std::tuple(false, 5, 3), std::tuple(true, 5, 3), std::tuple(true, 5, 67),
+                                           std::tuple(false, 1, 3),
                                            std::tuple(true, 1, 3), std::tuple(false, 1, 80), std::tuple(true, 1, 140)),
                          [](const auto& info) {
                            return std::string(std::get<0>(info.param) ? "fp8" : "bf16") + "_dql" +
@@ -754,23 +755,32 @@ class GpuMsaLoops : public ::testing::TestWithParam<bool> {};
 TEST_P(GpuMsaLoops, CopyEngineLoopMatchesCpAsyncLoopBitwise) {
   REQUIRE_GPU();
   if (!kernels::hopper_paths_run()) GTEST_SKIP() << "not a Hopper GPU or no sm_90a code in this build: no wgmma loop";
-  MsaDecodeCase c(GetParam(), 5, 3);  // 80-row groups: the wgmma loop
   cudaStream_t st = nullptr;
   CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  for (int round = 0; round < 3; ++round) {
-    c.refill();
-    c.run(st);
-    CUDA_OK(cudaStreamSynchronize(st));
-    const Tensor tma_out = c.out.to(Device::cpu()), tma_lse = c.lse.to(Device::cpu());
-    EXPECT_EQ(c.nan_outputs(), 0) << "round " << round;
-    c.poison();
-    {
-      const detail::ScopedEnv cp_async_loop("M3RT_MSA_WG_TMA", "0");
+  // 80-row groups (the wgmma loop): batch 3 splits each group over a cluster; batch 67 (134
+  // (request, KV head) pairs) leaves them unsplit, where e4m3 runs the producer warpgroup's loop,
+  // checked also against the copy-engine loop that converts in the row warps (M3RT_MSA_WS=0).
+  for (const int batch : {3, 67}) {
+    MsaDecodeCase c(GetParam(), 5, batch);
+    std::vector<const char*> others{"M3RT_MSA_WG_TMA"};
+    if (GetParam() && batch == 67) others.push_back("M3RT_MSA_WS");
+    for (int round = 0; round < 3; ++round) {
+      c.refill();
       c.run(st);
       CUDA_OK(cudaStreamSynchronize(st));
+      const Tensor tma_out = c.out.to(Device::cpu()), tma_lse = c.lse.to(Device::cpu());
+      EXPECT_EQ(c.nan_outputs(), 0) << "batch " << batch << ", round " << round;
+      for (const char* other : others) {
+        c.poison();
+        {
+          const detail::ScopedEnv off(other, "0");
+          c.run(st);
+          CUDA_OK(cudaStreamSynchronize(st));
+        }
+        EXPECT_TRUE(same_bytes(tma_out, c.out)) << other << "=0: out, batch " << batch << ", round " << round;
+        EXPECT_TRUE(same_bytes(tma_lse, c.lse)) << other << "=0: lse, batch " << batch << ", round " << round;
+      }
     }
-    EXPECT_TRUE(same_bytes(tma_out, c.out)) << "out, round " << round;
-    EXPECT_TRUE(same_bytes(tma_lse, c.lse)) << "lse, round " << round;
   }
   CUDA_OK(cudaStreamDestroy(st));
 }

@@ -266,6 +266,11 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
         MsaDecodePlan alt({c.B, c.dql, kHq, kHkv, kTopk, nb, kd}, Device::cuda());
         rows.back().ratios.push_back({"vs mma.sync loop", time_us(call_with(alt), sets, true, env) / r.us});
       }
+      if (c.dql > 1 && fp8) {  // e4m3: the chunks converted by the row warps (no producer warpgroup), same run
+        const ScopedEnv row_warps("M3RT_MSA_WS", "0");
+        MsaDecodePlan alt({c.B, c.dql, kHq, kHkv, kTopk, nb, kd}, Device::cuda());
+        rows.back().ratios.push_back({"vs row-warp conversion", time_us(call_with(alt), sets, true, env) / r.us});
+      }
       if (c.B == 32 && !env.quick) {  // the first (CUDA-core) kernel, timed in the same run
         msa_force_baseline(true);
         rows.back().ratios.push_back({"vs baseline kernel", time_us(call, sets, true, env) / r.us});
@@ -306,6 +311,10 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
       {  // the mma.sync loop the wgmma one replaced on Hopper, same run
         const ScopedEnv mma_sync("M3RT_MSA_WGMMA", "0");
         rows.back().ratios.push_back({"vs mma.sync loop", time_us(call, 1, true, env, 3) / r.us});
+      }
+      if (fp8) {  // e4m3: the chunks converted by the row warps (no producer warpgroup), same run
+        const ScopedEnv row_warps("M3RT_MSA_WS", "0");
+        rows.back().ratios.push_back({"vs row-warp conversion", time_us(call, 1, true, env, 3) / r.us});
       }
       if (L == 8192 && share == 0 && !env.quick) {
         msa_force_baseline(true);

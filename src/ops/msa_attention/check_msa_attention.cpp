@@ -342,6 +342,8 @@ void check_msa_decode(CheckContext& c) {
   check_msa_variant(c, {false, 32, 4, 64, 1, {3000, 1, 9000, 200}, {}, {.causal = false, .window_left = 300}});
   check_msa_variant(c, {true, 64, 4, 16, 1, spread_lens(40, 800), {}});
   check_msa_variant(c, {false, 32, 8, 16, 1, spread_lens(50, 1500), {}});
+  // e4m3 batch 8: 9 splits merged in one cluster (on an H200).
+  check_msa_variant(c, {true, 64, 4, 16, 1, spread_lens(8, 2000), {}});
   // Mixed grids on an H200 (bf16: one round of whole pairs and 60 in halves; e4m3: two rounds and 56
   // in halves, short requests leaving some halves without keys).
   check_msa_variant(c, {false, 64, 4, 16, 1, spread_lens(48, 700), {}});
@@ -353,6 +355,9 @@ void check_msa_decode(CheckContext& c) {
   // second warpgroup on Hopper), with pads and lengths below dql.
   check_msa_variant(c, {false, 32, 2, 16, 8, {1700, 60, 0, 2600}, {}});
   check_msa_variant(c, {false, 16, 1, 16, 5, {900, 3, 300}, {}});
+  // e4m3 verify at M3's TP1 heads, 80 (request, KV head) pairs: one split (on an H200), so the
+  // copy-engine loop with its producer warpgroup.
+  check_msa_variant(c, {true, 64, 4, 16, 8, spread_lens(20, 3000), {}});
   // The drafter's shape: 7 block rows x 16 heads (112-row groups), non-causal, window 4096, 64
   // listed blocks of 65; batch 2 splits each group over many CTAs (on Hopper: one cluster that
   // merges through DSMEM).

@@ -32,6 +32,8 @@ step check check.log "$BUILD_DIR/m3rt" check
 step check-mma-sync check.log env M3RT_MSA_WGMMA=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa
 # The bf16 wgmma loop fed by cp.async (the copy-engine form is the default).
 step check-wg-cp check.log env M3RT_MSA_WG_TMA=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa
+# Unsplit e4m3 groups with the row warps converting (the producer warpgroup is the default).
+step check-no-producer check.log env M3RT_MSA_WS=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa
 # dql 1 on the general kernel (msa_decode1_kernel replaced it there), and the split decode's
 # global-memory merge instead of the cluster one.
 step check-msa-general check.log env M3RT_MSA_DECODE1=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode

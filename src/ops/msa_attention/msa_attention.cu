@@ -27,7 +27,8 @@
 //     On sm_90, groups of more than 64 rows run this step on wgmma instead: two warpgroups of 64
 //     rows, the chunk in the 128-byte swizzle both operands read (wg_chunks, the kWg instances);
 //     the chunks there come by tensor-map copies, paced by mbarriers (wg_chunks_tma, kTma; e4m3
-//     chunks converted once into f16 images both warpgroups read).
+//     chunks converted once into f16 images both warpgroups read; for unsplit e4m3 groups by a
+//     producer warpgroup of their own, ws_produce_e4m3 / wg_chunks_ws, kWs).
 //  5. Key parts merge through shared memory in a fixed order; the group's (O, max, sum) either
 //     becomes the output (one split) or a partial in the plan's scratch, and the last split to
 //     arrive (a per-(group, KV head) counter that it resets) merges the splits in split order; on
@@ -1151,7 +1152,10 @@ __device__ __forceinline__ void ws_produce_e4m3(const MsaParams& p, int tg, cons
 }
 
 // The row warps' part (threads 0..255): the mbarriers set up and the producer released (named
-// barrier 2), then the copy-engine loop's math on the images.
+// barrier 2), then the copy-engine loop's math on the images. Its per-chunk step repeats
+// wg_chunks_tma's line for line: one helper for both changed the SASS of all eight copy-engine
+// instances (register allocation), which this loop has been measured in; unify it after a GPU
+// A/B shows that costs nothing.
 template <bool kP16>
 __device__ __forceinline__ void wg_chunks_ws(TileState& st, float (&o)[64], const int4* uniq, const char* q_s,
                                              char* images, int c_begin, int c_end, int rows, int G,
@@ -1352,7 +1356,9 @@ __device__ __forceinline__ void store_row(const MsaParams& p, int64_t t, int h, 
 // kCluster: launched as clusters of the splits, which merge through DSMEM (split decode on sm_90+).
 // kWg (sm_90a, 8 warps): the loop over chunks on wgmma, two warpgroups of 64 rows (wg_chunks);
 // kTma (with kWg, bf16): that loop fed by the copy engine, the warpgroups free of each other
-// (wg_chunks_tma). Everything before and after the loop is the same code.
+// (wg_chunks_tma). kWs (with kTma, e4m3, unsplit): 128 more threads, a producer warpgroup that
+// loads and converts the chunks (ws_produce_e4m3; the row warps: wg_chunks_ws). Everything before
+// and after the loop is the same code.
 template <bool kFp8, int kWarps, bool kCluster, bool kWg = false, bool kTma = false, bool kP16 = false,
           bool kWs = false>
 __global__ void __launch_bounds__(kWarps * 32 + (kWs ? 128 : 0), kWs ? 1 : 8 / kWarps)

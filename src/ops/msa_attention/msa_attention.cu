@@ -1364,7 +1364,7 @@ template <bool kFp8, int kWarps, bool kCluster, bool kWg = false, bool kTma = fa
 __global__ void __launch_bounds__(kWarps * 32 + (kWs ? 128 : 0), kWs ? 1 : 8 / kWarps)
     msa_sparse_kernel(const __grid_constant__ MsaParams p, int stages) {
   kernels::grid_dependency_wait();  // launched with PDL (p.pdl): nothing is read before this
-  constexpr int kThreads = kWarps * 32;  // the threads that serve the rows (kWs: and a producer warpgroup)
+  constexpr int kThreads = kWarps * 32;  // the threads that serve the rows (kWs: the producer's 128 on top)
   static_assert(!kWg || kWarps == 8, "the wgmma loop runs on two warpgroups");
   static_assert(!kTma || kWg, "the copy-engine loop is a form of the wgmma loop");
   static_assert(!kWs || (kTma && kFp8 && !kCluster), "the producer warpgroup serves unsplit e4m3 copy-engine loops");
@@ -2172,14 +2172,15 @@ bool encode_cache_map(MsaParams& p) {
 }
 
 // The copy-engine instances (the wgmma loop on tensor-map copies), plain and clustered.
-// The copy-engine instances; e4m3's unsplit launches with the producer warpgroup (kWs; 384
+// The copy-engine instances; e4m3's unsplit launches with the producer warpgroup (kWs, 128 more
 // threads) unless M3RT_MSA_WS=0 (benchmarks: the copy-engine loop that converts in the row warps).
+// Returns whether fn carries the producer warpgroup.
 template <bool kFp8, bool kP16>
-void tma_instances(KernelConfig& cfg) {
+bool tma_instances(KernelConfig& cfg) {
   const bool ws = kFp8 && !switched_off("M3RT_MSA_WS");
   cfg.fn = ws ? msa_sparse_kernel<kFp8, 8, false, true, true, kP16, kFp8> : msa_sparse_kernel<kFp8, 8, false, true, true, kP16>;
   cfg.cluster_fn = msa_sparse_kernel<kFp8, 8, true, true, true, kP16>;
-  cfg.threads = ws ? 384 : 256;
+  return ws;
 }
 
 // tma: the wgmma loop on the copy engine (p.cache_map encoded; the caller passes it only for groups
@@ -2191,11 +2192,12 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
   const bool wg = use_wgmma(msa_group_rows(G, tg));
   const int warps = lone ? 8 : 4;
   KernelConfig cfg{};
+  bool producer = false;
   if (tma) {
     if (fp8)
-      p16 ? tma_instances<true, true>(cfg) : tma_instances<true, false>(cfg);
+      producer = p16 ? tma_instances<true, true>(cfg) : tma_instances<true, false>(cfg);
     else
-      p16 ? tma_instances<false, true>(cfg) : tma_instances<false, false>(cfg);
+      producer = p16 ? tma_instances<false, true>(cfg) : tma_instances<false, false>(cfg);
   } else if (wg) {
     cfg.fn = fp8 ? msa_sparse_kernel<true, 8, false, true> : msa_sparse_kernel<false, 8, false, true>;
     cfg.cluster_fn = fp8 ? msa_sparse_kernel<true, 8, true, true> : msa_sparse_kernel<false, 8, true, true>;
@@ -2207,7 +2209,7 @@ KernelConfig kernel_config(bool fp8, int tg, int G, int topk, int max_blocks, in
     cfg.cluster_fn = lone ? msa_sparse_kernel<false, 8, true> : msa_sparse_kernel<false, 4, true>;
   }
   cfg.cluster_threads = warps * 32;
-  if (!tma) cfg.threads = warps * 32;
+  cfg.threads = cfg.cluster_threads + (producer ? 128 : 0);
   const int images = wg && fp8 ? kWgImages * kWgImageBytes : 0;
   const SmemLayout base = smem_layout(fp8, 0, tg, G, topk, max_blocks, warps, images, tma ? tma_bars(fp8, 8) : 0);
   const int slack = wg ? 1024 : 0;  // wgmma: the stages' 1024-byte alignment

@@ -14,7 +14,9 @@
 //     copies (E2 with 4 loads in flight a thread); B: the writer's own structure (grid (pairs, runs),
 //     half-warp per token, 3-stage cp.async) with stores only; C / D: token-major variants (a
 //     block per token run, cp.async or direct loads); F / G: bulk copies (cp.async.bulk, sm_90)
-//     through shared memory, contiguous / with 256-byte row stores; Q: the QK insert's structure.
+//     through shared memory, contiguous / with 256-byte row stores; Q: the QK insert's structure;
+//     QB: the QK insert's bytes token-major by bulk copies (a whole qkv row in, q and k back as one
+//     bulk store); E2 in place: the contiguous copy writing each word back where it was read.
 // Results (H200, 2026-12-01) are in docs/perf.md: the writer's pattern tops out at 86-88% of the
 // memcpy rate, a contiguous SM copy at 92-93%. (They were measured with the layers' cache pointers
 // in an array indexed at run time, which put the kernels' parameters in local memory; the layers
@@ -270,6 +272,59 @@ __global__ void __launch_bounds__(256, 4) kQ(QArgs a) {
   waitg<0>();
 }
 
+// QB: the QK-insert pattern token-major through bulk copies: a block takes one token at a time
+// (tokens blockIdx.x + k gridDim.x), thread 0 loads its whole qkv row (18 KiB) into one of S stages
+// (its slot and position by 8-byte cp.async on the same mbarrier), then writes q and k back in
+// place as one 17 KiB bulk store and the 4 k and 4 v rows into the cache as 256-byte bulk stores.
+// kThreads > 32: every thread waits for the stage and the block meets at a barrier before the
+// stores (the synchronization a kernel doing the math in between would need).
+template <int S, int kThreads>
+__global__ void __launch_bounds__(kThreads) kQB(QArgs a) {
+  extern __shared__ __align__(128) char sm[];
+  constexpr int RB = QROW * 2;  // bytes of a qkv row
+  uint64_t* bar = reinterpret_cast<uint64_t*>(sm + S * RB);
+  int64_t* idx = reinterpret_cast<int64_t*>(bar + S);  // [S][2]: slot, position
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) mbar_init(bar + s, 2);
+    M3RT_SM90_ONLY(asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"));
+  }
+  __syncthreads();
+  auto issue = [&](int s, int t) {
+    mbar_expect(bar + s, RB);
+    bulk_g2s(sm + s * RB, a.qkv + int64_t(t) * QROW, RB, bar + s);
+    cpa8(su32(idx + 2 * s), a.slots + t);
+    cpa8(su32(idx + 2 * s + 1), a.pos + t);
+    M3RT_SM90_ONLY(asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(su32(bar + s)) : "memory"));
+  };
+  const int step = gridDim.x;
+  if (threadIdx.x == 0)
+    for (int s = 0; s < S; ++s) { const int t = blockIdx.x + s * step; if (t < a.n) issue(s, t); }
+  int k = 0;
+  for (int t = blockIdx.x; t < a.n; t += step, ++k) {
+    const int s = k % S;
+    if (kThreads > 32 || threadIdx.x == 0) mbar_wait(bar + s, (k / S) & 1);
+    if (kThreads > 32) __syncthreads();
+    if (threadIdx.x == 0) {
+      const char* st = sm + s * RB;
+      bulk_s2g(a.qkv + int64_t(t) * QROW, st, (QNQ + NKV) * 256);
+      const int64_t slot = idx[2 * s];
+      for (int h = 0; h < NKV; ++h) {
+        uint16_t* row = rowp(a.cache, slot, h);
+        bulk_s2g(row, st + (QNQ + h) * 256, 256);
+        bulk_s2g(row + 128, st + (QNQ + NKV + h) * 256, 256);
+      }
+      bulk_commit();
+      // The previous token's stores have read their stage: refill it.
+      if (k >= 1) {
+        bulk_wait_read<1>();
+        const int ps = (k - 1) % S, nt = t - step + S * step;
+        if (nt < a.n) issue(ps, nt);
+      }
+    }
+  }
+  if (threadIdx.x == 0) M3RT_SM90_ONLY(asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"));
+}
+
 // E: plain contiguous copy of the same bytes.
 __global__ void kE(const uint4* src, uint4* dst, int64_t n16) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n16; i += int64_t(gridDim.x) * blockDim.x) dst[i] = __ldcs(src + i);
@@ -323,7 +378,29 @@ int main() {
       char nm[64]; snprintf(nm, 64, "Q pattern y=%d (graph)", ys);
       timeq(nm, [&](int s, cudaStream_t st) { kQ<<<dim3(9, ys), 256, 0, st>>>(qa[s]); }, bytes);
     }
+    auto runQB = [&](auto Sc, auto Tc, int bpsm) {
+      constexpr int S = decltype(Sc)::value, NT = decltype(Tc)::value;
+      const size_t smb = size_t(S) * QROW * 2 + S * 8 + S * 16;
+      CK(cudaFuncSetAttribute(kQB<S, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smb)));
+      char nm[64]; snprintf(nm, 64, "QB bulk x%d %dthr %d/SM (graph)", S, NT, bpsm);
+      timeq(nm, [&](int s, cudaStream_t st) { kQB<S, NT><<<std::min(n, sms * bpsm), NT, smb, st>>>(qa[s]); }, bytes);
+    };
+    if (hopper) {
+      runQB(std::integral_constant<int, 2>{}, std::integral_constant<int, 32>{}, 4);
+      runQB(std::integral_constant<int, 3>{}, std::integral_constant<int, 32>{}, 2);
+      runQB(std::integral_constant<int, 3>{}, std::integral_constant<int, 32>{}, 3);
+      runQB(std::integral_constant<int, 3>{}, std::integral_constant<int, 32>{}, 4);
+      runQB(std::integral_constant<int, 4>{}, std::integral_constant<int, 32>{}, 3);
+      runQB(std::integral_constant<int, 6>{}, std::integral_constant<int, 32>{}, 2);
+      runQB(std::integral_constant<int, 3>{}, std::integral_constant<int, 288>{}, 2);
+      runQB(std::integral_constant<int, 4>{}, std::integral_constant<int, 288>{}, 2);
+      runQB(std::integral_constant<int, 3>{}, std::integral_constant<int, 288>{}, 3);
+      runQB(std::integral_constant<int, 3>{}, std::integral_constant<int, 288>{}, 4);
+    }
     timeq("E2 U4 contiguous same bytes", [&](int s, cudaStream_t st) { kE2<4><<<sms * 4, 256, 0, st>>>(reinterpret_cast<const uint4*>(msrc[s]), reinterpret_cast<uint4*>(mdst), int64_t(bytes / 2) / 16); }, bytes);
+    // The same contiguous copy with each word written back where it was read (the QK insert
+    // writes q and k back in place).
+    timeq("E2 U4 in place same bytes", [&](int s, cudaStream_t st) { kE2<4><<<sms * 4, 256, 0, st>>>(reinterpret_cast<const uint4*>(msrc[s]), reinterpret_cast<uint4*>(msrc[s]), int64_t(bytes / 2) / 16); }, bytes);
   }
   for (int n : {8192, 32768}) {
     const int sets = n == 8192 ? 3 : 1;

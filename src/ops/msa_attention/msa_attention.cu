@@ -875,6 +875,83 @@ __device__ __forceinline__ void wg_chunks(TileState& st, float (&o)[64], const i
 #endif
 }
 
+// The copy-engine loops' step over one chunk (wg_chunks_tma, wg_chunks_ws), one warpgroup. The
+// previous chunk's P (ph, pl) and its K V at sa_prev wait for their P V (have_p). `between` runs
+// right after the MMAs are issued (the refill, the next chunk's conversion, or the wait for the
+// chunk's image); `release_prev` once the previous chunk's P V has completed.
+// O += P V of the previous chunk (value and residue; kP16: the value alone).
+template <bool kFp8, bool kP16>
+__device__ __forceinline__ void wg_pv(float (&o)[64], const uint32_t (&ph)[4][4], const uint32_t (&pl)[4][4],
+                                      uint32_t sa_prev) {
+  using namespace kernels;
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const uint64_t desc = sw128_desc(sa_prev + 2 * (kChunkKeys * 128) + t * 2048, kWgVLeading, kWgVStride);
+    wgmma_m64k16<128, kFp8, true>(o, ph[t], desc);
+    if constexpr (!kP16) wgmma_m64k16<128, kFp8, true>(o, pl[t], desc);
+  }
+}
+// A chunk none of the warpgroup's tokens selected: the previous chunk's P V alone; release_both
+// (after it completes) gives back the previous chunk and this one.
+template <bool kFp8, bool kP16, class Between, class ReleaseBoth>
+__device__ __forceinline__ void wg_skip_step(float (&o)[64], const uint32_t (&ph)[4][4], const uint32_t (&pl)[4][4],
+                                             uint32_t sa_prev, bool& have_p, Between&& between,
+                                             ReleaseBoth&& release_both) {
+  using namespace kernels;
+  if (have_p) {
+    wgmma_fence();
+    wg_pv<kFp8, kP16>(o, ph, pl, sa_prev);
+    wgmma_commit();
+  }
+  between();
+  wgmma_wait<0>();
+  release_both();
+  have_p = false;
+}
+// A chunk the warpgroup's tokens selected (mask): this chunk's Q K^T, then (a second commit
+// group, empty without one) the previous chunk's P V, which runs under `between` and this chunk's
+// softmax until O is rescaled; a warp none of whose rows sees a key of the chunk keeps its state
+// (P = 0).
+template <bool kFp8, bool kP16, class Between, class ReleasePrev>
+__device__ __forceinline__ void wg_chunk_step(TileState& st, float (&o)[64], const uint32_t (&qa)[8][4], uint32_t sa,
+                                              uint32_t& sa_prev, bool& have_p, uint32_t (&ph)[4][4],
+                                              uint32_t (&pl)[4][4], uint32_t mask, int chunk_pos,
+                                              const int (&row_token)[2], const int (&row_lo)[2],
+                                              const int (&row_hi)[2], float scale_log2, float2 row_scale,
+                                              Between&& between, ReleasePrev&& release_prev) {
+  using namespace kernels;
+  const int c = threadIdx.x % 4;
+  float s[32];
+  if (have_p) {
+    wgmma_fence();
+    wgmma_k128<64, kFp8>(s, qa, sa, kChunkKeys * 128);
+    wgmma_commit();
+    wg_pv<kFp8, kP16>(o, ph, pl, sa_prev);
+    wgmma_commit();
+  } else {
+    wgmma_fence();
+    wgmma_k128<64, kFp8>(s, qa, sa, kChunkKeys * 128);
+    wgmma_commit();
+    wgmma_commit();
+  }
+  between();
+  wgmma_wait<1>();  // this chunk's S
+  int lo[2], hi[2];
+  chunk_row_ranges(mask, chunk_pos, row_token, row_lo, row_hi, lo, hi);
+  const bool sees_none = wg_warp_sees_none(lo, hi);  // then P = 0, the state stays
+  float alpha[2], sum[2];
+  if (!sees_none) wg_softmax<kFp8>(st, s, lo, hi, c, scale_log2, row_scale, alpha, sum);
+  wgmma_wait<0>();  // the previous chunk's P V: o may be rescaled, its stage or image reused
+  release_prev();
+  have_p = true;
+  if (sees_none) {
+    wg_zero_p(ph, pl);
+  } else {
+    wg_rescale_form_p<kFp8>(st, o, s, alpha, sum, ph, pl);
+  }
+  sa_prev = sa;
+}
+
 // The wgmma loop on the copy engine (kTma). One thread fills the stages with tensor-map boxes
 // (fill(c, slot, bar): the chunk's boxes on the stage's `full` barrier, or an arrival alone for a
 // chunk none of the group's tokens sees); the two warpgroups run free of each other, paced by
@@ -900,7 +977,7 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
                                               int seq_len, uint64_t* bars, Fill&& fill) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace kernels;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, c = lane % 4, wg = warp / 4;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
   const uint32_t wg_tokens = wg_token_mask(wg, rows, G);
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
@@ -952,14 +1029,6 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
   uint32_t ph[4][4], pl[4][4];  // the previous chunk's P (value and residue)
   uint32_t sa_prev = 0;         // the previous chunk's K and V (bf16: its stage; e4m3: its image)
   bool have_p = false;
-  auto pv = [&] {  // O += P V of the previous chunk (value and residue; kP16: the value alone)
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const uint64_t desc = sw128_desc(sa_prev + 2 * (kChunkKeys * 128) + t * 2048, kWgVLeading, kWgVStride);
-      wgmma_m64k16<128, kFp8, true>(o, ph[t], desc);
-      if constexpr (!kP16) wgmma_m64k16<128, kFp8, true>(o, pl[t], desc);
-    }
-  };
   // Chunk i's stage and the parity of its use; the fill's (chunk i + D, into chunk i + D -
   // stages' stage) the same, one use behind.
   int slot = 0, phase = 0, fslot = kFp8 ? 0 : D, fphase = kFp8 ? 0 : 1;
@@ -1001,66 +1070,32 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
         __syncthreads();
       }
     }
-    float s[32];
-    auto qk = [&] { wgmma_k128<64, kFp8>(s, qa, sa, kChunkKeys * 128); };
     const int prev_slot = slot == 0 ? stages - 1 : slot - 1;
     const int this_slot = slot;
     if (++slot == stages) slot = 0, phase ^= 1;
-    // A warp is done with chunk i - 1 (bf16: its stage; e4m3: its image) once its P V completed.
-    auto release_prev = [&] {
-      if (lane == 0 && have_p) mbar_arrive(kFp8 ? &img_empty[prev_img] : &empty[prev_slot]);
-    };
-    if (!mine) {
-      if (have_p) {
-        wgmma_fence();
-        pv();
-        wgmma_commit();
-      }
+    // Between the MMA issue and the S wait: bf16 the refill, e4m3 the next chunk's conversion.
+    auto between = [&] {
       if constexpr (!kFp8) refill(i);
       if (kFp8 && i + 1 < n) convert(i + 1);
-      wgmma_wait<0>();
-      if (lane == 0) {  // chunk i - 1 done with, chunk i not needed
-        if (have_p) mbar_arrive(kFp8 ? &img_empty[prev_img] : &empty[prev_slot]);
-        mbar_arrive(kFp8 ? &img_empty[img] : &empty[this_slot]);
-      }
-      have_p = false;
+    };
+    // A warp is done with chunk i - 1 (bf16: its stage; e4m3: its image) once its P V completed.
+    if (!mine) {
+      wg_skip_step<kFp8, kP16>(o, ph, pl, sa_prev, have_p, between, [&] {
+        if (lane == 0) {  // chunk i - 1 done with, chunk i not needed
+          if (have_p) mbar_arrive(kFp8 ? &img_empty[prev_img] : &empty[prev_slot]);
+          mbar_arrive(kFp8 ? &img_empty[img] : &empty[this_slot]);
+        }
+      });
       continue;
     }
-    // This chunk's Q K^T, then (a second commit group, empty without one) the previous chunk's
-    // P V, which runs under the next chunk's conversion and this chunk's softmax until o is rescaled.
-    if (have_p) {
-      wgmma_fence();
-      qk();
-      wgmma_commit();
-      pv();
-      wgmma_commit();
-    } else {
-      wgmma_fence();
-      qk();
-      wgmma_commit();
-      wgmma_commit();
-    }
-    if constexpr (!kFp8) refill(i);
-    if (kFp8 && i + 1 < n) convert(i + 1);
-    wgmma_wait<1>();  // this chunk's S
-    int lo[2], hi[2];
-    chunk_row_ranges(mask, chunk_pos, row_token, row_lo, row_hi, lo, hi);
-    const bool sees_none = wg_warp_sees_none(lo, hi);  // then P = 0, the state stays
-    float alpha[2], sum[2];
-    if (!sees_none) wg_softmax<kFp8>(st, s, lo, hi, c, scale_log2, row_scale, alpha, sum);
-    wgmma_wait<0>();  // the previous chunk's P V: o may be rescaled, its stage or image reused
-    release_prev();
-    have_p = true;
-    if (sees_none) {
-      wg_zero_p(ph, pl);
-    } else {
-      wg_rescale_form_p<kFp8>(st, o, s, alpha, sum, ph, pl);
-    }
-    sa_prev = sa;
+    wg_chunk_step<kFp8, kP16>(st, o, qa, sa, sa_prev, have_p, ph, pl, mask, chunk_pos, row_token, row_lo, row_hi,
+                              scale_log2, row_scale, between, [&] {
+                                if (lane == 0 && have_p) mbar_arrive(kFp8 ? &img_empty[prev_img] : &empty[prev_slot]);
+                              });
   }
   if (have_p) {  // the last chunk's P V
     wgmma_fence();
-    pv();
+    wg_pv<kFp8, kP16>(o, ph, pl, sa_prev);
     wgmma_commit();
   }
   wgmma_wait<0>();
@@ -1152,10 +1187,7 @@ __device__ __forceinline__ void ws_produce_e4m3(const MsaParams& p, int tg, cons
 }
 
 // The row warps' part (threads 0..255): the mbarriers set up and the producer released (named
-// barrier 2), then the copy-engine loop's math on the images. Its per-chunk step repeats
-// wg_chunks_tma's line for line: one helper for both changed the SASS of all eight copy-engine
-// instances (register allocation), which this loop has been measured in; unify it after a GPU
-// A/B shows that costs nothing.
+// barrier 2), then the copy-engine loop's step (wg_chunk_step, wg_skip_step) on the images.
 template <bool kP16>
 __device__ __forceinline__ void wg_chunks_ws(TileState& st, float (&o)[64], const int4* uniq, const char* q_s,
                                              char* images, int c_begin, int c_end, int rows, int G,
@@ -1164,7 +1196,7 @@ __device__ __forceinline__ void wg_chunks_ws(TileState& st, float (&o)[64], cons
                                              uint64_t* bars, int stages) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace kernels;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, c = lane % 4, wg = warp / 4;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
   const uint32_t wg_tokens = wg_token_mask(wg, rows, G);
   uint64_t* img_full = bars + 2 * stages;  // full [stages], (unused) [stages], img_full, img_empty
   uint64_t* img_empty = img_full + kWgImages;
@@ -1187,14 +1219,6 @@ __device__ __forceinline__ void wg_chunks_ws(TileState& st, float (&o)[64], cons
   uint32_t sa_prev = 0;         // the previous chunk's image
   int prev_img = 0, q = 0;      // q: live chunks so far
   bool have_p = false;
-  auto pv = [&] {  // O += P V of the previous chunk (value and residue; kP16: the value alone)
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const uint64_t desc = sw128_desc(sa_prev + 2 * (kChunkKeys * 128) + t * 2048, kWgVLeading, kWgVStride);
-      wgmma_m64k16<128, true, true>(o, ph[t], desc);
-      if constexpr (!kP16) wgmma_m64k16<128, true, true>(o, pl[t], desc);
-    }
-  };
   for (int cc = c_begin; cc < c_end; ++cc) {
     const int4 u = uniq[cc >> 1];  // {id, page, mask of half 0, mask of half 1}
     const uint32_t mask = uint32_t(cc & 1 ? u.w : u.z);
@@ -1204,56 +1228,24 @@ __device__ __forceinline__ void wg_chunks_ws(TileState& st, float (&o)[64], cons
     ++q;
     const uint32_t sa = smem_u32(images + img * kWgImageBytes);
     if ((mask & wg_tokens) == 0) {
-      if (have_p) {
-        wgmma_fence();
-        pv();
-        wgmma_commit();
-      }
-      mbar_wait(&img_full[img], parity);
-      wgmma_wait<0>();
-      if (lane == 0) {  // the previous chunk done with, this one not needed
-        if (have_p) mbar_arrive(&img_empty[prev_img]);
-        mbar_arrive(&img_empty[img]);
-      }
-      have_p = false;
+      wg_skip_step<true, kP16>(o, ph, pl, sa_prev, have_p, [&] { mbar_wait(&img_full[img], parity); }, [&] {
+        if (lane == 0) {  // the previous chunk done with, this one not needed
+          if (have_p) mbar_arrive(&img_empty[prev_img]);
+          mbar_arrive(&img_empty[img]);
+        }
+      });
       continue;
     }
     mbar_wait(&img_full[img], parity);
-    float s[32];
-    // This chunk's Q K^T, then (a second commit group, empty without one) the previous chunk's
-    // P V, which runs under this chunk's softmax until o is rescaled.
-    if (have_p) {
-      wgmma_fence();
-      wgmma_k128<64, true>(s, qa, sa, kChunkKeys * 128);
-      wgmma_commit();
-      pv();
-      wgmma_commit();
-    } else {
-      wgmma_fence();
-      wgmma_k128<64, true>(s, qa, sa, kChunkKeys * 128);
-      wgmma_commit();
-      wgmma_commit();
-    }
-    wgmma_wait<1>();  // this chunk's S
-    int lo[2], hi[2];
-    chunk_row_ranges(mask, u.x * kPage + (cc & 1) * kChunkKeys, row_token, row_lo, row_hi, lo, hi);
-    const bool sees_none = wg_warp_sees_none(lo, hi);  // then P = 0, the state stays
-    float alpha[2], sum[2];
-    if (!sees_none) wg_softmax<true>(st, s, lo, hi, c, scale_log2, row_scale, alpha, sum);
-    wgmma_wait<0>();  // the previous chunk's P V: o may be rescaled, its image reused
-    if (lane == 0 && have_p) mbar_arrive(&img_empty[prev_img]);
-    have_p = true;
-    if (sees_none) {
-      wg_zero_p(ph, pl);
-    } else {
-      wg_rescale_form_p<true>(st, o, s, alpha, sum, ph, pl);
-    }
-    sa_prev = sa;
+    wg_chunk_step<true, kP16>(st, o, qa, sa, sa_prev, have_p, ph, pl, mask, u.x * kPage + (cc & 1) * kChunkKeys,
+                              row_token, row_lo, row_hi, scale_log2, row_scale, [] {}, [&] {
+                                if (lane == 0 && have_p) mbar_arrive(&img_empty[prev_img]);
+                              });
     prev_img = img;
   }
   if (have_p) {  // the last chunk's P V
     wgmma_fence();
-    pv();
+    wg_pv<true, kP16>(o, ph, pl, sa_prev);
     wgmma_commit();
   }
   wgmma_wait<0>();

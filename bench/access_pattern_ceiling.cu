@@ -15,6 +15,7 @@
 //     half-warp per token, 3-stage cp.async) with stores only; C / D: token-major variants (a
 //     block per token run, cp.async or direct loads); F / G: bulk copies (cp.async.bulk, sm_90)
 //     through shared memory, contiguous / with 256-byte row stores; Q: the QK insert's structure;
+//     Q q_out: q to a separate output (the drafter's call);
 //     QB: the QK insert's bytes token-major by bulk copies (a whole qkv row in, q and k back as one
 //     bulk store); E2 in place: the contiguous copy writing each word back where it was read.
 // Results (H200, 2026-12-01) are in docs/perf.md: the writer's pattern tops out at 86-88% of the
@@ -235,8 +236,10 @@ __global__ void __launch_bounds__(64) kG(Args a) {
 // Q: the QK-insert pattern (nq 64, nkv 4): items q(64) k(4) v(4); q,k written back in place, k,v to
 // the cache; grid (9 runs of 8 items, token pairs), warp per item, half-warp per token, cp.async 3 stages.
 constexpr int QNQ = 64, QROW = (QNQ + 2 * NKV) * 128;
-struct QArgs { uint16_t* qkv; uint16_t* cache; const int64_t* slots; const int64_t* pos; int n; };
+struct QArgs { uint16_t* qkv; uint16_t* cache; const int64_t* slots; const int64_t* pos; int n; uint16_t* qout; };
 struct QStage { uint4 rows[2][16]; int64_t idx[2][2]; };
+// QOUT: q to a separate [n, 64 x 128] output instead of back into qkv (the drafter's call).
+template <bool QOUT>
 __global__ void __launch_bounds__(256, 4) kQ(QArgs a) {
   __shared__ QStage st[3][8];
   const int w = threadIdx.x / 32, item = blockIdx.x * 8 + w;
@@ -262,7 +265,8 @@ __global__ void __launch_bounds__(256, 4) kQ(QArgs a) {
     const int64_t slot = st[cur][w].idx[half][0];
     __syncwarp();
     if (t < a.n) {
-      if (item < QNQ + NKV) st16(lane + int64_t(t) * QROW, v);
+      if (QOUT && item < QNQ) st16(a.qout + int64_t(t) * QNQ * 128 + item * 128 + j * 8, v);
+      else if (item < QNQ + NKV) st16(lane + int64_t(t) * QROW, v);
       if (item >= QNQ) {
         const int h = item < QNQ + NKV ? item - QNQ : item - QNQ - NKV;
         st16(rowp(a.cache, slot, h) + (item >= QNQ + NKV ? 128 : 0) + j * 8, v);
@@ -346,6 +350,7 @@ int main() {
       QArgs& a = qa[s]; a.n = n;
       CK(cudaMalloc(&a.qkv, size_t(n) * QROW * 2)); CK(cudaMemset(a.qkv, 1, size_t(n) * QROW * 2));
       CK(cudaMalloc(&a.cache, size_t(nb) * NKV * 128 * 256 * 2));
+      CK(cudaMalloc(&a.qout, size_t(n) * QNQ * 128 * 2));
       CK(cudaMalloc(&msrc[s], size_t(bytes)));
       std::vector<int> perm(nb); for (int i = 0; i < nb; ++i) perm[i] = i; std::shuffle(perm.begin(), perm.end(), rng);
       std::vector<int64_t> sl(n), ps(n); for (int t = 0; t < n; ++t) { sl[t] = int64_t(perm[t / 128]) * 128 + t % 128; ps[t] = t; }
@@ -376,7 +381,11 @@ int main() {
     timeq("memcpy 1 GiB (graph)", [&](int, cudaStream_t st) { cudaMemcpyAsync(bd, bs, size_t(big / 2), cudaMemcpyDeviceToDevice, st); }, big);
     for (int ys : {58, 116, 896}) {
       char nm[64]; snprintf(nm, 64, "Q pattern y=%d (graph)", ys);
-      timeq(nm, [&](int s, cudaStream_t st) { kQ<<<dim3(9, ys), 256, 0, st>>>(qa[s]); }, bytes);
+      timeq(nm, [&](int s, cudaStream_t st) { kQ<false><<<dim3(9, ys), 256, 0, st>>>(qa[s]); }, bytes);
+    }
+    for (int ys : {58, 896}) {
+      char nm[64]; snprintf(nm, 64, "Q pattern q_out y=%d (graph)", ys);
+      timeq(nm, [&](int s, cudaStream_t st) { kQ<true><<<dim3(9, ys), 256, 0, st>>>(qa[s]); }, bytes);
     }
     auto runQB = [&](auto Sc, auto Tc, int bpsm) {
       constexpr int S = decltype(Sc)::value, NT = decltype(Tc)::value;

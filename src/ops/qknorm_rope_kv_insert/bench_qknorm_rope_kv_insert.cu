@@ -3,9 +3,11 @@
 // q and of k in place, in-place RoPE of q and k, reshape_and_cache: 5 launches) in the same run;
 // and at MiniMax-M3's sparse-layer shape (the same plus 4 index_q heads and one index_k head, index
 // insert into a [nb, 128, 128] cache, bf16 or fp8 like the main cache), with no unfused baseline.
+// q goes back into qkv in place, except in the `q_out` row (T = 1792, dense, bf16 cache): the call
+// the drafter makes (src/model/dspark_model.cpp), q to a separate contiguous [T, nq x 128] output.
 //
 // Bytes per call: the qkv row read (T*W*2, W including the index heads), k written back
-// (T*nkv*128*2), q written back as bf16 or only as fp8 (T*nq*128 * 2 or 1), the cache rows written
+// (T*nkv*128*2), q written back (or to q_out) as bf16 or only as fp8 (T*nq*128 * 2 or 1), the cache rows written
 // (T*nkv*256 * 2 or 1), positions and slots (T*16); sparse rows add index_q_out written
 // (T*Hidx*128 * 2 or 1), index_k written back (T*128*2), the index cache rows written (T*128 * 2
 // or 1) and index slots (T*8). Inputs rotate over sets larger than 3x L2. Times are per call inside
@@ -46,11 +48,13 @@ std::vector<BenchRow> bench_qknorm_rope_kv_insert(const BenchEnv& env) {
     bool fp8;  // fp8 main cache (and index cache), q only as e4m3
     int64_t T;
     bool sparse;  // MiniMax-M3 sparse row: index heads and index insert
+    bool q_out = false;  // q to a separate output (the drafter's call) instead of back into qkv
   };
   std::vector<Variant> variants;
   for (bool sparse : {false, true}) {
     for (int64_t T : env.quick ? std::vector<int64_t>{56, 1792} : std::vector<int64_t>{7, 56, 448, 1792})
       variants.push_back({false, T, sparse});
+    if (!sparse) variants.push_back({false, 1792, false, true});
     variants.push_back({true, 1792, sparse});
   }
   for (const Variant& var : variants) {
@@ -72,11 +76,12 @@ std::vector<BenchRow> bench_qknorm_rope_kv_insert(const BenchEnv& env) {
     const std::vector<Tensor>& pos = idx.positions;
     const std::vector<Tensor>& slots = idx.slots;
     const int64_t nb = idx.num_blocks;
-    std::vector<Tensor> qkv(sets), qf8(sets), iq_out(sets);
+    std::vector<Tensor> qkv(sets), qf8(sets), iq_out(sets), q_out(sets);
     for (int s = 0; s < sets; ++s) {
       qkv[s] = Tensor::empty({T, W}, DType::kBFloat16, Device::cuda());
       fill_uniform_bf16(qkv[s].data(), qkv[s].numel(), 200 + s, -2.f, 2.f);
       if (var.fp8) qf8[s] = Tensor::empty({T, nq * 128}, DType::kFloat8E4M3, Device::cuda());
+      if (var.q_out) q_out[s] = Tensor::empty({T, nq * 128}, DType::kBFloat16, Device::cuda());
       const DType iq_dt = var.fp8 ? DType::kFloat8E4M3 : DType::kBFloat16;  // like the index cache
       if (var.sparse) iq_out[s] = Tensor::empty({T, h_idx * 128}, iq_dt, Device::cuda());
     }
@@ -93,6 +98,7 @@ std::vector<BenchRow> bench_qknorm_rope_kv_insert(const BenchEnv& env) {
                                .num_kv_heads = nkv, .rotary_dim = rot, .eps = eps,
                                .slot_mapping = slots[s], .kv_cache = cache, .kv_cache_dtype = kd,
                                .k_scale = ksd, .v_scale = vsd};
+      if (var.q_out) a.q_out = q_out[s];
       if (var.fp8) {  // q only in fp8 (for an fp8 attention kernel); k still back in place
         a.q_fp8_out = qf8[s];
         a.q_fp8_scale = 0.5f;
@@ -127,13 +133,13 @@ std::vector<BenchRow> bench_qknorm_rope_kv_insert(const BenchEnv& env) {
       M3RT_LAUNCH_CHECK(st, "rope_neox_inplace_kernel");
       reshape_and_cache(k, v, cache, slots[s], kd, ksd, vsd, st);
     };
-    const bool baseline = !var.fp8 && !var.sparse;  // the unfused path exists for dense bf16 only
+    const bool baseline = !var.fp8 && !var.sparse && !var.q_out;  // the unfused path: dense bf16, q in place
     const double unfused_us = baseline ? time_us(unfused, sets, true, env) : 0;
     BenchRow r;
     r.op = "qknorm_rope_kv_insert";
     // Sparse rows: nq 64, nkv 4 too (the bench table's variant column has 34 characters).
     r.variant = std::string(var.fp8 ? "fp8-cache+q_fp8" : "bf16-cache") +
-                (var.sparse ? " sparse nidx4" : " nq64 nkv4") + " T" + std::to_string(T);
+                (var.sparse ? " sparse nidx4" : " nq64 nkv4") + " T" + std::to_string(T) + (var.q_out ? " q_out" : "");
     r.us = fused_us;
     r.bytes = bytes;
     r.gbps = bytes / (fused_us * 1e3);

@@ -233,8 +233,9 @@ void check_qknorm_rope_kv_insert(CheckContext& c) {
   check_qk_variant(c, {32, 2, 64, 128, 257, true, true, false, true, 0.5f, 2, true});
   check_qk_variant(c, {8, 1, 16, 16, 270, false, false, false, false, 1.f, 1, false});
   // Enough tokens that the quad kernel's warps walk 3-4 tokens each through their 3-stage pipeline
-  // (the rows above take 1-2 steps).
+  // (the rows above take 1-2 steps); in place and with q to q_out (the drafter's call).
   check_qk_variant(c, {64, 4, 64, 128, 900, true, false, false, false, 1.f});
+  check_qk_variant(c, {64, 4, 64, 128, 900, true, false, true, false, 1.f});
 }
 
 }  // namespace m3rt::detail

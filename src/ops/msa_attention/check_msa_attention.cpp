@@ -355,9 +355,10 @@ void check_msa_decode(CheckContext& c) {
   // second warpgroup on Hopper), with pads and lengths below dql.
   check_msa_variant(c, {false, 32, 2, 16, 8, {1700, 60, 0, 2600}, {}});
   check_msa_variant(c, {false, 16, 1, 16, 5, {900, 3, 300}, {}});
-  // e4m3 verify at M3's TP1 heads, 80 (request, KV head) pairs: one split (on an H200), so the
-  // copy-engine loop with its producer warpgroup.
+  // Verify at M3's TP1 heads, 80 (request, KV head) pairs: one split (on an H200), so the unsplit
+  // copy-engine loop (e4m3: with its producer warpgroup); most requests end in a partial chunk.
   check_msa_variant(c, {true, 64, 4, 16, 8, spread_lens(20, 3000), {}});
+  check_msa_variant(c, {false, 64, 4, 16, 8, spread_lens(20, 3000), {}});
   // The drafter's shape: 7 block rows x 16 heads (112-row groups), non-causal, window 4096, 64
   // listed blocks of 65; batch 2 splits each group over many CTAs (on Hopper: one cluster that
   // merges through DSMEM).

@@ -26,7 +26,7 @@ step() {  # step NAME LOGFILE CMD...: runs CMD, appends its output to LOGFILE, r
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm --format=csv >"$OUT/summary.txt" 2>&1
 COMMIT=${M3RT_GIT_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 echo "commit $COMMIT  $(date -u +%FT%TZ)" >>"$OUT/summary.txt"
-step build build.log bash -c "cmake -S . -B $BUILD_DIR -G Ninja -DCMAKE_BUILD_TYPE=Release -DM3RT_BUILD_TESTS=ON -DM3RT_GIT_COMMIT=$COMMIT && cmake --build $BUILD_DIR -j $(nproc)" || { cat "$OUT/build.log" | tail -40; exit 1; }
+step build build.log bash -c "cmake -S . -B $BUILD_DIR -G Ninja -DCMAKE_BUILD_TYPE=Release -DM3RT_BUILD_TESTS=ON -DM3RT_GIT_COMMIT=${M3RT_GIT_COMMIT:-} && cmake --build $BUILD_DIR -j $(nproc)" || { cat "$OUT/build.log" | tail -40; exit 1; }
 step ctest ctest.log bash -c "cd $BUILD_DIR && ctest --output-on-failure -j 4"
 step check check.log "$BUILD_DIR/m3rt" check
 step check-mma-sync check.log env M3RT_MSA_WGMMA=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa
@@ -42,7 +42,7 @@ step check-global-merge check.log env M3RT_MSA_CLUSTER=0 "$BUILD_DIR/m3rt" check
 step check-msa-split-grid check.log env M3RT_MSA_MIXED=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode
 step check-sync check.log env M3RT_SYNC_CHECK=1 "$BUILD_DIR/m3rt" check --device cuda
 # A build without sm_90a code (sm_80 SASS + compute_80 PTX) must take the portable paths on Hopper.
-step check-sm80-build check.log bash -c "cmake -S . -B $BUILD_DIR-sm80 -G Ninja -DCMAKE_BUILD_TYPE=Release -DM3RT_BUILD_TESTS=OFF '-DM3RT_CUDA_GENCODE=-gencode=arch=compute_80,code=sm_80;-gencode=arch=compute_80,code=compute_80' -DM3RT_GIT_COMMIT=$COMMIT >/dev/null && cmake --build $BUILD_DIR-sm80 -j $(nproc) --target m3rt >/dev/null && $BUILD_DIR-sm80/m3rt check --device cuda --filter msa && $BUILD_DIR-sm80/m3rt check --device cuda --filter indexer"
+step check-sm80-build check.log bash -c "cmake -S . -B $BUILD_DIR-sm80 -G Ninja -DCMAKE_BUILD_TYPE=Release -DM3RT_BUILD_TESTS=OFF '-DM3RT_CUDA_GENCODE=-gencode=arch=compute_80,code=sm_80;-gencode=arch=compute_80,code=compute_80' -DM3RT_GIT_COMMIT=${M3RT_GIT_COMMIT:-} >/dev/null && cmake --build $BUILD_DIR-sm80 -j $(nproc) --target m3rt >/dev/null && $BUILD_DIR-sm80/m3rt check --device cuda --filter msa && $BUILD_DIR-sm80/m3rt check --device cuda --filter indexer"
 if [ -n "$SAN" ]; then
   for tool in memcheck racecheck initcheck synccheck; do
     step "sanitizer-$tool" sanitizer.log "$SAN" --tool "$tool" --error-exitcode 9 "$BUILD_DIR/m3rt" check --device cuda

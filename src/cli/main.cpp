@@ -29,9 +29,7 @@
 #include "bench.h"
 #endif
 
-#ifndef M3RT_GIT_COMMIT
-#define M3RT_GIT_COMMIT "unknown"
-#endif
+#include "m3rt_git_commit.h"  // M3RT_GIT_COMMIT, written at build time (cmake/git_commit.cmake)
 
 namespace {
 

@@ -891,6 +891,18 @@ __device__ __forceinline__ void wg_pv(float (&o)[64], const uint32_t (&ph)[4][4]
     if constexpr (!kP16) wgmma_m64k16<128, kFp8, true>(o, pl[t], desc);
   }
 }
+// After the last chunk: its P V (if a chunk left one), and every MMA complete.
+template <bool kFp8, bool kP16>
+__device__ __forceinline__ void wg_last_pv(float (&o)[64], const uint32_t (&ph)[4][4], const uint32_t (&pl)[4][4],
+                                           uint32_t sa_prev, bool have_p) {
+  using namespace kernels;
+  if (have_p) {
+    wgmma_fence();
+    wg_pv<kFp8, kP16>(o, ph, pl, sa_prev);
+    wgmma_commit();
+  }
+  wgmma_wait<0>();
+}
 // A chunk none of the warpgroup's tokens selected: the previous chunk's P V alone; release_both
 // (after it completes) gives back the previous chunk and this one.
 template <bool kFp8, bool kP16, class Between, class ReleaseBoth>
@@ -1093,12 +1105,7 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
                                 if (lane == 0 && have_p) mbar_arrive(kFp8 ? &img_empty[prev_img] : &empty[prev_slot]);
                               });
   }
-  if (have_p) {  // the last chunk's P V
-    wgmma_fence();
-    wg_pv<kFp8, kP16>(o, ph, pl, sa_prev);
-    wgmma_commit();
-  }
-  wgmma_wait<0>();
+  wg_last_pv<kFp8, kP16>(o, ph, pl, sa_prev, have_p);
 #elif defined(__CUDA_ARCH__)
   __trap();  // launched only by sm_90a builds on sm_90 devices (kernel_config)
 #endif
@@ -1243,12 +1250,7 @@ __device__ __forceinline__ void wg_chunks_ws(TileState& st, float (&o)[64], cons
                               });
     prev_img = img;
   }
-  if (have_p) {  // the last chunk's P V
-    wgmma_fence();
-    wg_pv<true, kP16>(o, ph, pl, sa_prev);
-    wgmma_commit();
-  }
-  wgmma_wait<0>();
+  wg_last_pv<true, kP16>(o, ph, pl, sa_prev, have_p);
 #elif defined(__CUDA_ARCH__)
   __trap();  // launched only by sm_90a builds on sm_90 devices (kernel_config)
 #endif

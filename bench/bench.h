@@ -71,6 +71,16 @@ IndexSets make_index_sets(int sets, int64_t n, int block_size, int64_t max_pos, 
 // How many input sets to rotate so that together they exceed 3x the L2 (60 MB on an H200).
 int sets_beyond_l2(double bytes_per_set, int max_sets = 32);
 
+// The read floor of a byte count with no structure: median µs of a contiguous read of `bytes`
+// from `buf` (call i reads at offset i x bytes, so `buf` must hold num_sets x bytes), 8 CTAs of 256
+// threads an SM, four 16-byte loads in flight a thread; graph replays as time_us.
+double time_contiguous_read_us(const void* buf, double bytes, int num_sets, const BenchEnv& env);
+inline constexpr const char* kContiguousReadNote =
+    "the same bytes read contiguously (8 CTAs of 256 threads an SM, 4 x 16 B in flight a thread)";
+// A bound measured beside `call` in the same run (a read floor): `call`'s row with `suffix` added
+// to its variant, timed at `us` over the same bytes, the ratio floor / call, and `note`.
+BenchRow floor_row(const BenchRow& call, const char* suffix, double us, const char* note, const BenchEnv& env);
+
 std::vector<BenchRow> bench_dspark_context_kv(const BenchEnv& env);
 std::vector<BenchRow> bench_qknorm_rope_kv_insert(const BenchEnv& env);
 std::vector<BenchRow> bench_lightning_indexer(BenchEnv& env);

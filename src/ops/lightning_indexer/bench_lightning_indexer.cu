@@ -47,26 +47,6 @@ void fill_index_values(const Tensor& t, bool fp8, uint64_t seed) {
   }
 }
 
-// A contiguous read of n16 16-byte words, four loads in flight a thread (the read floor of a byte
-// count with no page structure); `sink` is written only in a case that does not arise.
-__global__ void __launch_bounds__(256) stream_read_kernel(const uint4* src, int64_t n16, unsigned* sink) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  unsigned acc = 0;
-  for (; i + 3 * stride < n16; i += 4 * stride) {
-    uint4 v[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) v[k] = __ldcs(src + i + k * stride);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
-  }
-  for (; i < n16; i += stride) {
-    const uint4 v = __ldcs(src + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x9e3779b9u) *sink = acc;
-}
-
 Tensor int32_on_gpu(const std::vector<int32_t>& v, std::vector<int64_t> shape) {
   Tensor h = Tensor::empty(shape, DType::kInt32);
   std::copy(v.begin(), v.end(), h.ptr<int32_t>());
@@ -147,27 +127,13 @@ std::vector<BenchRow> bench_lightning_indexer(BenchEnv& env) {
           p.block_table = tables[s].ptr<int32_t>();
           indexer_decode_read_floor_launch(p, reinterpret_cast<unsigned*>(sink.data()), st);
         };
-        auto stream_call = [&](int s, CUstream_st* st) {
-          const int64_t n16 = int64_t(bytes) / 16;
-          stream_read_kernel<<<detail::multiprocessor_count() * 8, 256, 0, st>>>(
-              static_cast<const uint4*>(cache.data()) + s * n16, n16, reinterpret_cast<unsigned*>(sink.data()));
-          M3RT_LAUNCH_CHECK(st, "stream_read_kernel");
-        };
-        auto floor_row = [&](const char* what, double us, const char* note) {
-          BenchRow f = r;
-          f.variant += what;
-          f.us = us;
-          f.gbps = bytes / (us * 1e3);
-          f.pct_ceiling = 100.0 * f.gbps / env.copy_gbps;
-          f.ratios = {{"floor / call", us / r.us}};
-          f.note = note;
-          rows.push_back(f);
-        };
         if (indexer_decode_read_floor_launch(fp, reinterpret_cast<unsigned*>(sink.data()), nullptr))
-          floor_row(" read floor", time_us(floor_call, sets, true, env),
-                    "the decode kernel's page stream alone: same grid, pages and stages; no scoring or selection");
-        floor_row(" contiguous read", time_us(stream_call, sets, true, env),
-                  "the same bytes read contiguously (8 CTAs of 256 threads an SM, 4 x 16 B in flight a thread)");
+          rows.push_back(floor_row(r, " read floor", time_us(floor_call, sets, true, env),
+                                   "the decode kernel's page stream alone: same grid, pages and stages; no scoring "
+                                   "or selection",
+                                   env));
+        rows.push_back(floor_row(r, " contiguous read", time_contiguous_read_us(cache.data(), bytes, sets, env),
+                                 kContiguousReadNote, env));
         if (B <= 8) {  // where a call's fixed costs show: back-to-back calls launched with PDL
           pdl = true;
           BenchRow q = r;

@@ -243,8 +243,32 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
         r.note += b;
         r.ratios.push_back({"vs split grid", split_us / r.us});
       }
+      // Read floors of the same bytes in the same harness (dql 1 on the split grid): the kernel's own
+      // page stream (grid, chunks, stages) with nothing else, and a contiguous read of as many bytes.
+      auto floor_rows = [&]() {
+        if (c.dql != 1 || mixed.whole > 0) return;
+        const Tensor sink = Tensor::empty({1}, DType::kInt32, Device::cuda());
+        std::vector<MsaParams> fps;
+        for (const Batch& bt : batch) {
+          MsaParams fp = msa_call_params(bt.q, {bt.cache, kd, ksd, vsd}, bt.topk_view, TensorView{}, bt.lens,
+                                         bt.table, 1, 0, scale, MsaMask{}, bt.out);
+          fp.num_splits = splits;
+          fps.push_back(fp);
+        }
+        unsigned* sk = reinterpret_cast<unsigned*>(sink.data());
+        if (msa_decode1_read_floor_launch(fps[0], sk, nullptr))
+          rows.push_back(floor_row(
+              r, " read floor",
+              time_us([&](int s, CUstream_st* st) { msa_decode1_read_floor_launch(fps[size_t(s)], sk, st); }, sets,
+                      true, env),
+              "the dql-1 kernel's page stream alone: same grid, chunks and stages; no queries, softmax, merge or output",
+              env));
+        rows.push_back(floor_row(r, " contiguous read", time_contiguous_read_us(batch[0].cache.data(), r.bytes, sets, env),
+                                 kContiguousReadNote, env));
+      };
       if (decode_only) {
         rows.push_back(r);
+        floor_rows();
         if (with_pdl) rows.push_back(pdl_row(r));
         continue;
       }
@@ -276,6 +300,7 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
         rows.back().ratios.push_back({"vs baseline kernel", time_us(call, sets, true, env) / r.us});
         msa_force_baseline(false);
       }
+      floor_rows();
       if (with_pdl) rows.push_back(pdl_row(r));
       if (c.dql > 1)  // P rounded once (MsaDecodeArgs::p_residue false)
         rows.push_back(derived_row(r, " p16", false, false, "; P rounded once (p_residue false)", "vs p_residue"));

@@ -2085,6 +2085,88 @@ __global__ void __launch_bounds__(kD1Threads, d1_register_ctas(kFp8))
                            p.pdl_trigger);
 }
 
+// Benchmarks (msa_decode1_read_floor_launch): msa_decode1_kernel's page stream alone on its split
+// grid. Warp 0 loads the token's ids, their table entries and the length as the kernel does and
+// lists the visible 64-key chunks (no duplicate check: the benchmark's lists have none); the CTA
+// then streams its split's chunks through `stages` shared-memory stages, a bulk copy each, and
+// its threads fold one word of every chunk into a value stored only if it matches a constant it
+// never holds. No queries, scores, softmax, merge or output.
+template <bool kFp8>
+__global__ void __launch_bounds__(kD1Threads)
+    msa_decode1_read_floor_kernel(const __grid_constant__ MsaParams p, int stages, unsigned* sink) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(128) char smem[];
+  __shared__ uint64_t full[8];
+  __shared__ int2 list[2 * kMsaMaxTopk];
+  __shared__ int count;
+  constexpr int kRowBytes = kFp8 ? 256 : 512;
+  const int64_t t = blockIdx.x;
+  const int kv_head = blockIdx.y, split = blockIdx.z, splits = p.num_splits > 1 ? p.num_splits : 1;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, K = p.topk_k;
+  int raw[2] = {-1, -1}, raw_page[2] = {-1, -1};
+  if (warp == 0) {
+    const int32_t* ids = p.topk + int64_t(kv_head) * p.topk_stride_h + t * p.topk_stride_t;
+    const int32_t* table = p.block_table + t * p.block_table_stride;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (lane + 32 * h < K) raw[h] = ids[int64_t(lane + 32 * h) * p.topk_stride_k];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (unsigned(raw[h]) < unsigned(p.max_blocks)) raw_page[h] = table[raw[h]];
+  }
+  const int seq_len = p.seq_lens[t];
+  if (warp == 0) {
+    int base = 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int id = raw[h], page = raw_page[h];
+      const bool ok = id >= 0 && int64_t(id) * kPage < seq_len && page >= 0 && page < p.num_cache_blocks;
+      const int n = ok ? 1 + int(int64_t(id) * kPage + kChunkKeys < seq_len) : 0;
+      int incl = n;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(kFull, incl, o);
+        if (lane >= o) incl += v;
+      }
+      for (int c = 0; c < n; ++c) list[base + incl - n + c] = make_int2(id * kPage + c * kChunkKeys, page);
+      base += __shfl_sync(kFull, incl, 31);
+    }
+    if (lane == 0) {
+      count = base;
+      for (int s = 0; s < stages; ++s) kernels::mbar_init(&full[s], 1);
+      kernels::fence_mbarrier_init();
+    }
+  }
+  __syncthreads();
+  const int C = count, c_begin = split * C / splits, c_end = (split + 1) * C / splits, n = c_end - c_begin;
+  const int stage_bytes = kChunkKeys * kRowBytes;
+  const char* cache = static_cast<const char*>(p.cache);
+  auto issue = [&](int i) {  // thread 0: chunk c_begin + i into stage i % stages
+    const int2 e = list[c_begin + i];
+    const int half = (e.x / kChunkKeys) & 1;
+    const uint32_t bytes = uint32_t(min(kChunkKeys, seq_len - e.x) * kRowBytes);
+    uint64_t* bar = &full[i % stages];
+    kernels::mbar_arrive_expect_tx(bar, bytes);
+    kernels::bulk_copy_to_shared(smem + (i % stages) * stage_bytes,
+                                 cache + ((int64_t(e.y) * p.num_kv_heads + kv_head) * kPage + half * kChunkKeys) * kRowBytes,
+                                 bytes, bar);
+  };
+  if (tid == 0)
+    for (int i = 0; i < min(stages, n); ++i) issue(i);
+  unsigned acc = 0;
+  for (int i = 0; i < n; ++i) {
+    kernels::mbar_wait(&full[i % stages], uint32_t(i / stages) & 1u);
+    acc ^= reinterpret_cast<const unsigned*>(smem + (i % stages) * stage_bytes)[tid];
+    __syncthreads();
+    if (tid == 0 && i + stages < n) {
+      kernels::fence_proxy_async();
+      issue(i + stages);
+    }
+  }
+  if (acc == 0x9e3779b9u) *sink = acc;
+#endif
+}
+
 // dql-1 decode on the mixed grid (p.mixed_whole > 0: MsaDecodePlan's choice where one CTA a pair
 // would leave some SMs a CTA more than others): CTA i < mixed_whole serves pair i whole (pair =
 // request x Hkv + KV head); the remaining pairs come in num_splits pieces, CTA mixed_whole + j piece
@@ -2364,6 +2446,21 @@ int msa_decode_splits(int batch, int dql, int num_heads, int num_kv_heads, int t
   if (d1 && !fp8 && 20 * pairs >= 19 * sms) splits = 1;
   splits = std::clamp<int64_t>(env_int("M3RT_MSA_SPLITS", int(splits)), 1, cap);  // tuning knob for benches
   return int(splits);
+}
+
+bool msa_decode1_read_floor_launch(const MsaParams& p, unsigned* sink, CUstream_st* stream) {
+  if (p.cu_seqlens_q || !use_decode1(p.decode_query_len) || p.mixed_whole > 0 || !kernels::hopper_paths_run())
+    return false;
+  const int splits = std::max(1, p.num_splits);
+  const int64_t ctas = p.num_seqs * int64_t(p.num_kv_heads) * splits;
+  const int stages = std::min(8, decode1_config(p.fp8, ctas, false).stages);
+  const int smem = stages * kChunkKeys * (p.fp8 ? 256 : 512);
+  auto fn = p.fp8 ? msa_decode1_read_floor_kernel<true> : msa_decode1_read_floor_kernel<false>;
+  detail::raise_smem_limit(reinterpret_cast<const void*>(fn), smem);
+  fn<<<dim3(unsigned(p.num_seqs), unsigned(p.num_kv_heads), unsigned(splits)), kD1Threads, smem, stream>>>(p, stages,
+                                                                                                         sink);
+  M3RT_LAUNCH_CHECK(stream, "msa_decode1_read_floor_kernel");
+  return true;
 }
 
 void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {

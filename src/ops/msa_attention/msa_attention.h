@@ -124,4 +124,11 @@ void msa_attention_ref(const MsaParams& p);
 // One launch for prefill and decode.
 void msa_attention_launch(const MsaParams& p, CUstream_st* stream);
 
+// Benchmarks: msa_decode1_kernel's page stream alone for the dql-1 decode call `p` describes (its
+// split grid, p.num_splits, and stages): ids -> table -> 64-key chunks by bulk copy, no queries,
+// softmax, merge or output (what the call would cost if only its reads remained). `sink`: one
+// device word, written only in a case that does not arise. False (nothing launched) for other
+// calls (prefill, dql > 1, the mixed grid) or where the Hopper kernels do not run.
+bool msa_decode1_read_floor_launch(const MsaParams& p, unsigned* sink, CUstream_st* stream);
+
 }  // namespace m3rt

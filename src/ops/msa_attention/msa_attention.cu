@@ -1855,6 +1855,21 @@ __host__ __device__ inline D1Layout d1_layout(bool fp8, int stages) {
   return l;
 }
 
+// Lane `lane` of a dql-1 CTA's warp 0: token t's top-k entries lane and lane + 32 of KV head
+// kv_head (raw; -1 past topk_k) and, for those inside the table row, their table entries (raw_page;
+// -1 otherwise). Not checked against the length: the caller does that.
+__device__ __forceinline__ void d1_load_ids(const MsaParams& p, int64_t t, int kv_head, int lane, int (&raw)[2],
+                                            int (&raw_page)[2]) {
+  const int32_t* ids = p.topk + int64_t(kv_head) * p.topk_stride_h + t * p.topk_stride_t;
+  const int32_t* table = p.block_table + t * p.block_table_stride;
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    if (lane + 32 * h < p.topk_k) raw[h] = ids[int64_t(lane + 32 * h) * p.topk_stride_k];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    if (unsigned(raw[h]) < unsigned(p.max_blocks)) raw_page[h] = table[raw[h]];
+}
+
 // One (request t, KV head) pair's share of a dql-1 decode: chunks [from C / den, to C / den) of the
 // pair's C, merged with the pair's other shares (`splits` in all, this one `split`, the pair's
 // partials slot_stride slots apart) through a cluster (kCluster) or global memory, or written
@@ -1884,20 +1899,11 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
     cp_async_16z(q_s + row * 256 + ((pc ^ swz_bf16(row)) * 16), src, row < G ? 16 : 0);
   }
   cp_async_commit();
-  // Warp 0: the token's ids (entries lane, lane + 32) and the pages of those inside the table row,
-  // loaded before the length is known so that the three loads overlap (page ids are checked below).
+  // Warp 0: the token's ids and their pages, loaded before the length is known so that the three
+  // loads overlap (page ids are checked below).
   const int K = p.topk_k;
   int raw[2] = {-1, -1}, raw_page[2] = {-1, -1};
-  if (warp == 0) {
-    const int32_t* ids = p.topk + int64_t(kv_head) * p.topk_stride_h + t * p.topk_stride_t;
-    const int32_t* table = p.block_table + t * p.block_table_stride;
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      if (lane + 32 * h < K) raw[h] = ids[int64_t(lane + 32 * h) * p.topk_stride_k];
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      if (unsigned(raw[h]) < unsigned(p.max_blocks)) raw_page[h] = table[raw[h]];
-  }
+  if (warp == 0) d1_load_ids(p, t, kv_head, lane, raw, raw_page);
   const int seq_len = p.seq_lens[t];
   if (seq_len < 0 || (int64_t(seq_len) + kPage - 1) / kPage > p.max_blocks) {  // uniform over the splits
     cp_async_wait<0>();
@@ -2102,18 +2108,9 @@ __global__ void __launch_bounds__(kD1Threads)
   constexpr int kRowBytes = kFp8 ? 256 : 512;
   const int64_t t = blockIdx.x;
   const int kv_head = blockIdx.y, split = blockIdx.z, splits = p.num_splits > 1 ? p.num_splits : 1;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, K = p.topk_k;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   int raw[2] = {-1, -1}, raw_page[2] = {-1, -1};
-  if (warp == 0) {
-    const int32_t* ids = p.topk + int64_t(kv_head) * p.topk_stride_h + t * p.topk_stride_t;
-    const int32_t* table = p.block_table + t * p.block_table_stride;
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      if (lane + 32 * h < K) raw[h] = ids[int64_t(lane + 32 * h) * p.topk_stride_k];
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      if (unsigned(raw[h]) < unsigned(p.max_blocks)) raw_page[h] = table[raw[h]];
-  }
+  if (warp == 0) d1_load_ids(p, t, kv_head, lane, raw, raw_page);
   const int seq_len = p.seq_lens[t];
   if (warp == 0) {
     int base = 0;

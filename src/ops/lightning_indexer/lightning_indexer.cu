@@ -476,6 +476,8 @@ __device__ __forceinline__ int split_page_count(const Request& req, int num_spli
   const int nb_seq = (req.seq_len + kPage - 1) / kPage;
   return nb_seq > split ? (nb_seq - 1 - split) / num_splits + 1 : 0;
 }
+// The request's page of this CTA's (split = blockIdx.x) i-th page.
+__device__ __forceinline__ int split_page(int num_splits, int i) { return int(blockIdx.x) + i * num_splits; }
 
 template <bool kFp8>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinBlocks)
@@ -499,7 +501,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeMinBlocks)
   const char* cache = static_cast<const char*>(p.index_cache);
   // Each warp owns whole pages; the 128 keys of a page in 4 passes of 32.
   for (int i = warp; i < n_pages; i += kDecodeWarps) {
-    const int j = int(blockIdx.x) + i * num_splits;
+    const int j = split_page(num_splits, i);
     const int page = table[j];
     for (int r = lane; r < rows; r += 32) page_max[warp][r] = kNaN();
     __syncwarp();
@@ -583,7 +585,7 @@ __device__ __forceinline__ void decode_first_entries(const IndexerParams& p, con
                                                      int (&first)[kDecodeStages]) {
 #pragma unroll
   for (int s = 0; s < kDecodeStages; ++s) {
-    const int j = int(blockIdx.x) + s * num_splits;
+    const int j = split_page(num_splits, s);
     first[s] = j < p.max_blocks ? table[j] : -1;
   }
 }
@@ -629,7 +631,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   __syncthreads();
   const int first_pos = req.seq_len - p.decode_query_len;
   for (int i = 0; i < n_pages; ++i) {
-    const int j = int(blockIdx.x) + i * num_splits, stage = i % kDecodeStages;
+    const int j = split_page(num_splits, i), stage = i % kDecodeStages;
     mbar_wait(&full[stage], uint32_t(i / kDecodeStages) & 1u);
     float* my_max = part_max[i % 2][warp];
     if (page_ok[stage]) {  // block-uniform
@@ -654,8 +656,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
     __syncthreads();  // every warp's maxima are in; every warp is done reading the stage
     if (tid == 0 && i + kDecodeStages < n_pages) {
       fence_proxy_async();  // the stage's generic reads, ordered before the copy engine refills it
-      decode_issue_page<kPageBytes, true>(p, cache, table[j + kDecodeStages * num_splits], i + kDecodeStages, dsmem,
-                                          full, page_ok);
+      decode_issue_page<kPageBytes, true>(p, cache, table[split_page(num_splits, i + kDecodeStages)], i + kDecodeStages,
+                                          dsmem, full, page_ok);
     }
     for (int r = tid; r < rows; r += kDecodeThreads) {
       float v = part_max[i % 2][0][r];
@@ -1335,7 +1337,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     __syncthreads();
     if (tid == 0 && i + kDecodeStages < n_pages) {
       fence_proxy_async();
-      decode_issue_page<kPageBytes, false>(p, cache, table[int(blockIdx.x) + (i + kDecodeStages) * num_splits],
+      decode_issue_page<kPageBytes, false>(p, cache, table[split_page(num_splits, i + kDecodeStages)],
                                            i + kDecodeStages, dsmem, full, nullptr);
     }
   }

@@ -1870,6 +1870,72 @@ __device__ __forceinline__ void d1_load_ids(const MsaParams& p, int64_t t, int k
     if (unsigned(raw[h]) < unsigned(p.max_blocks)) raw_page[h] = table[raw[h]];
 }
 
+// The first key a dql-1 token (at position seq_len - 1) sees: 0, or the left window's start.
+__device__ __forceinline__ int d1_window_lo(const MsaParams& p, int seq_len) {
+  return p.window_left > 0 ? max(0, seq_len - p.window_left) : 0;
+}
+
+// Lane `lane` of warp 0 (every lane calls it): the visible 64-key chunks of the token's entries
+// (raw, raw_page from d1_load_ids; keys [lo, hi) visible) listed in entry order as {key position,
+// page}, each page once (an entry repeated, invisible or outside the cache skipped); returns
+// their count on every lane.
+__device__ __forceinline__ int d1_page_list(const MsaParams& p, int lane, const int (&raw)[2], const int (&raw_page)[2],
+                                            int lo, int hi, int2* list) {
+  const uint32_t before = (1u << lane) - 1u;
+  int id[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {  // a skipped entry gets a unique negative id
+    const int v = raw[h];
+    const bool vis = v >= 0 && int64_t(v) * kPage < hi && int64_t(v) * kPage + kPage > lo;
+    id[h] = vis ? v : -1 - (lane + 32 * h);
+  }
+  // Every lane runs the warp-wide matches and shuffles (no short-circuit around them).
+  const uint32_t same0 = __match_any_sync(kFull, id[0]);
+  bool first[2];
+  first[0] = id[0] >= 0 && (same0 & before) == 0u;
+  first[1] = false;
+  if (p.topk_k > 32) {
+    const uint32_t same1 = __match_any_sync(kFull, id[1]);
+    bool dup = false;
+    for (int j = 0; j < 32; ++j) dup |= __shfl_sync(kFull, id[0], j) == id[1];
+    first[1] = id[1] >= 0 && (same1 & before) == 0u && !dup;
+  }
+  int page[2], n[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    page[h] = first[h] ? raw_page[h] : -1;  // a visible id is < ceil(seq_len / 128) <= max_blocks
+    const bool ok = first[h] && page[h] >= 0 && page[h] < p.num_cache_blocks;
+    const int k0 = ok ? id[h] * kPage : 0;
+    n[h] = ok ? int(k0 < hi && k0 + kChunkKeys > lo) + int(k0 + kChunkKeys < hi && k0 + kPage > lo) : 0;
+  }
+  int base = 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    int incl = n[h];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(kFull, incl, o);
+      if (lane >= o) incl += v;
+    }
+    int at = base + incl - n[h];
+    const int k0 = id[h] * kPage;
+    for (int half = 0; half < 2 && n[h] > 0; ++half) {
+      const int pos = k0 + half * kChunkKeys;
+      if (pos < hi && pos + kChunkKeys > lo) list[at++] = make_int2(pos, page[h]);
+    }
+    base += __shfl_sync(kFull, incl, 31);
+  }
+  return base;
+}
+
+// The first byte of chunk e ({key position, page} from d1_page_list) of KV head kv_head in the cache.
+template <bool kFp8>
+__device__ __forceinline__ const char* d1_chunk(const MsaParams& p, int2 e, int kv_head) {
+  const int half = (e.x / kChunkKeys) & 1;
+  return static_cast<const char*>(p.cache) +
+         ((int64_t(e.y) * p.num_kv_heads + kv_head) * kPage + half * kChunkKeys) * (kFp8 ? 256 : 512);
+}
+
 // One (request t, KV head) pair's share of a dql-1 decode: chunks [from C / den, to C / den) of the
 // pair's C, merged with the pair's other shares (`splits` in all, this one `split`, the pair's
 // partials slot_stride slots apart) through a cluster (kCluster) or global memory, or written
@@ -1901,7 +1967,6 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
   cp_async_commit();
   // Warp 0: the token's ids and their pages, loaded before the length is known so that the three
   // loads overlap (page ids are checked below).
-  const int K = p.topk_k;
   int raw[2] = {-1, -1}, raw_page[2] = {-1, -1};
   if (warp == 0) d1_load_ids(p, t, kv_head, lane, raw, raw_page);
   const int seq_len = p.seq_lens[t];
@@ -1910,52 +1975,9 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
     return;
   }
   // The token at position seq_len - 1 sees keys [lo, hi) (causal or not: hi = seq_len).
-  const int hi = seq_len, lo = p.window_left > 0 ? max(0, seq_len - p.window_left) : 0;
+  const int hi = seq_len, lo = d1_window_lo(p, seq_len);
   if (warp == 0) {
-    const uint32_t before = (1u << lane) - 1u;
-    int id[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // a skipped entry gets a unique negative id
-      const int v = raw[h];
-      const bool vis = v >= 0 && int64_t(v) * kPage < hi && int64_t(v) * kPage + kPage > lo;
-      id[h] = vis ? v : -1 - (lane + 32 * h);
-    }
-    // Every lane runs the warp-wide matches and shuffles (no short-circuit around them).
-    const uint32_t same0 = __match_any_sync(kFull, id[0]);
-    bool first[2];
-    first[0] = id[0] >= 0 && (same0 & before) == 0u;
-    first[1] = false;
-    if (K > 32) {
-      const uint32_t same1 = __match_any_sync(kFull, id[1]);
-      bool dup = false;
-      for (int j = 0; j < 32; ++j) dup |= __shfl_sync(kFull, id[0], j) == id[1];
-      first[1] = id[1] >= 0 && (same1 & before) == 0u && !dup;
-    }
-    int page[2], n[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      page[h] = first[h] ? raw_page[h] : -1;  // a visible id is < ceil(seq_len / 128) <= max_blocks
-      const bool ok = first[h] && page[h] >= 0 && page[h] < p.num_cache_blocks;
-      const int k0 = ok ? id[h] * kPage : 0;
-      n[h] = ok ? int(k0 < hi && k0 + kChunkKeys > lo) + int(k0 + kChunkKeys < hi && k0 + kPage > lo) : 0;
-    }
-    int base = 0;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      int incl = n[h];
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(kFull, incl, o);
-        if (lane >= o) incl += v;
-      }
-      int at = base + incl - n[h];
-      const int k0 = id[h] * kPage;
-      for (int half = 0; half < 2 && n[h] > 0; ++half) {
-        const int pos = k0 + half * kChunkKeys;
-        if (pos < hi && pos + kChunkKeys > lo) list[at++] = make_int2(pos, page[h]);
-      }
-      base += __shfl_sync(kFull, incl, 31);
-    }
+    const int base = d1_page_list(p, lane, raw, raw_page, lo, hi, list);
     if (lane == 0) misc[0] = base;
   }
   __syncthreads();
@@ -1964,13 +1986,10 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
   const float k_scale = kFp8 ? *p.k_scale : 1.f, v_scale = kFp8 ? *p.v_scale : 1.f;
   const float scale_log2 = p.softmax_scale * k_scale * kLog2e;
   const ChunkLoader<kFp8, kD1Threads> loader;
-  const char* cache = static_cast<const char*>(p.cache);
   auto issue = [&](int c, int slot) {  // one cp.async group per chunk, empty past the split's end
     if (c < c_end) {
       const int2 e = list[c];
-      const int half = (e.x / kChunkKeys) & 1;
-      const char* chunk = cache + ((int64_t(e.y) * p.num_kv_heads + kv_head) * kPage + half * kChunkKeys) * kRowBytes;
-      loader.issue(area + slot * L.stage_bytes, chunk, min(kChunkKeys, seq_len - e.x));
+      loader.issue(area + slot * L.stage_bytes, d1_chunk<kFp8>(p, e, kv_head), min(kChunkKeys, seq_len - e.x));
     }
     cp_async_commit();
   };
@@ -2092,8 +2111,8 @@ __global__ void __launch_bounds__(kD1Threads, d1_register_ctas(kFp8))
 }
 
 // Benchmarks (msa_decode1_read_floor_launch): msa_decode1_kernel's page stream alone on its split
-// grid. Warp 0 loads the token's ids, their table entries and the length as the kernel does and
-// lists the visible 64-key chunks (no duplicate check: the benchmark's lists have none); the CTA
+// grid. Warp 0 loads the token's ids, their table entries and the length and lists the visible
+// 64-key chunks as the kernel does (d1_load_ids, d1_page_list); the CTA
 // then streams its split's chunks through `stages` shared-memory stages, a bulk copy each, and
 // its threads fold one word of every chunk into a value stored only if it matches a constant it
 // never holds. No queries, scores, softmax, merge or output.
@@ -2113,21 +2132,7 @@ __global__ void __launch_bounds__(kD1Threads)
   if (warp == 0) d1_load_ids(p, t, kv_head, lane, raw, raw_page);
   const int seq_len = p.seq_lens[t];
   if (warp == 0) {
-    int base = 0;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int id = raw[h], page = raw_page[h];
-      const bool ok = id >= 0 && int64_t(id) * kPage < seq_len && page >= 0 && page < p.num_cache_blocks;
-      const int n = ok ? 1 + int(int64_t(id) * kPage + kChunkKeys < seq_len) : 0;
-      int incl = n;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(kFull, incl, o);
-        if (lane >= o) incl += v;
-      }
-      for (int c = 0; c < n; ++c) list[base + incl - n + c] = make_int2(id * kPage + c * kChunkKeys, page);
-      base += __shfl_sync(kFull, incl, 31);
-    }
+    const int base = d1_page_list(p, lane, raw, raw_page, d1_window_lo(p, seq_len), seq_len, list);
     if (lane == 0) {
       count = base;
       for (int s = 0; s < stages; ++s) kernels::mbar_init(&full[s], 1);
@@ -2136,17 +2141,13 @@ __global__ void __launch_bounds__(kD1Threads)
   }
   __syncthreads();
   const int C = count, c_begin = split * C / splits, c_end = (split + 1) * C / splits, n = c_end - c_begin;
-  const int stage_bytes = kChunkKeys * kRowBytes;
-  const char* cache = static_cast<const char*>(p.cache);
+  const int stage_bytes = d1_layout(kFp8, 0).stage_bytes;
   auto issue = [&](int i) {  // thread 0: chunk c_begin + i into stage i % stages
     const int2 e = list[c_begin + i];
-    const int half = (e.x / kChunkKeys) & 1;
     const uint32_t bytes = uint32_t(min(kChunkKeys, seq_len - e.x) * kRowBytes);
     uint64_t* bar = &full[i % stages];
     kernels::mbar_arrive_expect_tx(bar, bytes);
-    kernels::bulk_copy_to_shared(smem + (i % stages) * stage_bytes,
-                                 cache + ((int64_t(e.y) * p.num_kv_heads + kv_head) * kPage + half * kChunkKeys) * kRowBytes,
-                                 bytes, bar);
+    kernels::bulk_copy_to_shared(smem + (i % stages) * stage_bytes, d1_chunk<kFp8>(p, e, kv_head), bytes, bar);
   };
   if (tid == 0)
     for (int i = 0; i < min(stages, n); ++i) issue(i);
@@ -2451,7 +2452,7 @@ bool msa_decode1_read_floor_launch(const MsaParams& p, unsigned* sink, CUstream_
   const int splits = std::max(1, p.num_splits);
   const int64_t ctas = p.num_seqs * int64_t(p.num_kv_heads) * splits;
   const int stages = std::min(8, decode1_config(p.fp8, ctas, false).stages);
-  const int smem = stages * kChunkKeys * (p.fp8 ? 256 : 512);
+  const int smem = stages * d1_layout(p.fp8, 0).stage_bytes;
   auto fn = p.fp8 ? msa_decode1_read_floor_kernel<true> : msa_decode1_read_floor_kernel<false>;
   detail::raise_smem_limit(reinterpret_cast<const void*>(fn), smem);
   fn<<<dim3(unsigned(p.num_seqs), unsigned(p.num_kv_heads), unsigned(splits)), kD1Threads, smem, stream>>>(p, stages,

@@ -336,10 +336,11 @@ void check_msa_decode(CheckContext& c) {
   check_msa_variant(c, {false, 4, 2, 64, 2, {3000, 70, 9000}, {}});
   check_msa_variant(c, {false, 2, 2, 16, 1, {500, 260}, {}});
   // dql 1 (msa_decode1_kernel on the GPU): e4m3 at group 16 with pads and a one-key request; group
-  // 8, topk 64, non-causal with a window; batches whose (request, KV head) pairs split 2 ways
+  // 8, topk 64, non-causal with a window (bf16 and e4m3); batches whose (request, KV head) pairs split 2 ways
   // (e4m3, 160 pairs) and not at all (400 pairs) on an H200.
   check_msa_variant(c, {true, 16, 1, 16, 1, {0, 700, 1, 5000, 129}, {}});
   check_msa_variant(c, {false, 32, 4, 64, 1, {3000, 1, 9000, 200}, {}, {.causal = false, .window_left = 300}});
+  check_msa_variant(c, {true, 32, 4, 64, 1, {3000, 1, 9000, 200}, {}, {.causal = false, .window_left = 300}});
   check_msa_variant(c, {true, 64, 4, 16, 1, spread_lens(40, 800), {}});
   check_msa_variant(c, {false, 32, 8, 16, 1, spread_lens(50, 1500), {}});
   // e4m3 batch 8: 9 splits merged in one cluster (on an H200).

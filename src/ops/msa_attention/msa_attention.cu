@@ -271,17 +271,24 @@ __device__ __forceinline__ bool decode_group_length(const MsaParams& p, int seq_
 
 // Shared-memory byte offsets a lane uses for the whole kernel. Every row a lane reads has a fixed
 // row & 7 (Q and K rows g, g + 8 of 16-aligned blocks; V rows 2c + e of 8-aligned pairs), so its
-// XOR swizzles are fixed too; k-steps s and s + 4 differ by 128 bytes.
+// XOR swizzles are fixed too; k-steps s and s + 4 differ by 128 bytes. kBoxed (e4m3): the chunk as
+// the copy engine's two boxes (tma_chunk_boxes: K then V, 64 rows of 128 bytes each, 16-byte piece
+// q of row r at q ^ (r % 8)), the same swizzle within each half of a 256-byte row, so the same banks.
 struct LaneOffsets {
   int q[4];    // Q row (tile * 16 + g), k-steps j (+ 4): piece (2j + c/2) ^ swz(g), half (c & 1)
   int k[8];    // K row g: bf16 like Q (j < 4 used); e4m3 k-step s: piece s ^ g, word c
   int v[4];    // V row 2c + e: bf16 pieces (16 + 2g + h) ^ swz(2c + e) at [2e + h]; e4m3 (8 + g) ^ (2c + e) at [e]
 };
 
-template <bool kFp8>
+// Bytes between two key rows of a stage.
+template <bool kFp8, bool kBoxed>
+constexpr int kKeyRowBytes = kBoxed ? 128 : (kFp8 ? 256 : 512);
+
+template <bool kFp8, bool kBoxed = false>
 __device__ __forceinline__ LaneOffsets lane_offsets(int tile) {
+  static_assert(kFp8 || !kBoxed, "boxed chunks hold e4m3 rows");
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  constexpr int kRow = kFp8 ? 256 : 512;
+  constexpr int kRow = kKeyRowBytes<kFp8, kBoxed>;
   LaneOffsets o;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -293,7 +300,9 @@ __device__ __forceinline__ LaneOffsets lane_offsets(int tile) {
 #pragma unroll
     for (int s = 0; s < 8; ++s) o.k[s] = g * kRow + (s ^ swz_e4m3(g)) * 16 + c * 4;
 #pragma unroll
-    for (int e = 0; e < 2; ++e) o.v[e] = (2 * c + e) * kRow + ((8 + g) ^ swz_e4m3(2 * c + e)) * 16;
+    for (int e = 0; e < 2; ++e)  // boxed: V's region, kChunkKeys rows of 128 bytes after K's
+      o.v[e] = kBoxed ? kChunkKeys * 128 + (2 * c + e) * kRow + ((g ^ (2 * c + e)) * 16)
+                      : (2 * c + e) * kRow + ((8 + g) ^ swz_e4m3(2 * c + e)) * 16;
   } else {
 #pragma unroll
     for (int e = 0; e < 2; ++e)
@@ -341,11 +350,11 @@ struct TileState {
 };
 
 // row_scale: e4m3, the scale of the thread's rows g, g + 8 (scale_log2 times the rows' Q factors).
-template <bool kFp8>
+template <bool kFp8, bool kBoxed = false>
 __device__ __forceinline__ void tile_keys16(TileState& st, const char* q_s, const char* keys, const LaneOffsets& off,
                                             int key0, const int (&lo)[2], const int (&hi)[2], float scale_log2,
                                             float2 row_scale) {
-  constexpr int kRow = kFp8 ? 256 : 512;
+  constexpr int kRow = kKeyRowBytes<kFp8, kBoxed>;
   const int c = threadIdx.x % 4;
   float s[2][4] = {};
 #pragma unroll
@@ -1111,18 +1120,24 @@ __device__ __forceinline__ void wg_chunks_tma(TileState& st, float (&o)[64], con
 #endif
 }
 
-// Chunk c of the page union as the copy-engine loops load it: 64-key boxes of 128 bytes (bf16: K
-// dims 0-63, K 64-127, V 0-63, V 64-127; e4m3: K, V) of the cache's tensor map {row element, key,
-// KV head, page}, each one 128-byte-swizzled region of `dst`, completing `bytes` on `bar`.
+// The 64 keys from `key` (0 or 64) of page `page`, KV head kv_head, as the copy-engine loops load
+// them: boxes of 64 keys x 128 bytes (bf16: K dims 0-63, K 64-127, V 0-63, V 64-127; e4m3: K, V)
+// of the cache's tensor map {row element, key, KV head, page}, each one 128-byte-swizzled region
+// of `dst` (1024-byte aligned), completing `bytes` on `bar`.
 template <bool kFp8>
-__device__ __forceinline__ void load_chunk_boxes(char* dst, const void* map, const int4* uniq, int c, int kv_head,
-                                                 uint32_t bytes, uint64_t* bar) {
-  const int4 u = uniq[c >> 1];
+__device__ __forceinline__ void tma_chunk_boxes(char* dst, const void* map, int key, int kv_head, int page,
+                                                uint32_t bytes, uint64_t* bar) {
   kernels::mbar_arrive_expect_tx(bar, bytes);
   constexpr int kBoxes = kFp8 ? 2 : 4, kBoxElems = kFp8 ? 128 : 64;
 #pragma unroll
   for (int r = 0; r < kBoxes; ++r)
-    kernels::tma_load_4d(dst + r * (kChunkKeys * 128), map, kBoxElems * r, (c & 1) * kChunkKeys, kv_head, u.y, bar);
+    kernels::tma_load_4d(dst + r * (kChunkKeys * 128), map, kBoxElems * r, key, kv_head, page, bar);
+}
+// Chunk c of the page union (64-key half c % 2 of page uniq[c / 2].y).
+template <bool kFp8>
+__device__ __forceinline__ void load_chunk_boxes(char* dst, const void* map, const int4* uniq, int c, int kv_head,
+                                                 uint32_t bytes, uint64_t* bar) {
+  tma_chunk_boxes<kFp8>(dst, map, (c & 1) * kChunkKeys, kv_head, uniq[c >> 1].y, bytes, bar);
 }
 
 // The warp-specialized e4m3 loop (kWs instances: 384 threads, unsplit groups of more than 64
@@ -1838,7 +1853,7 @@ constexpr int kD1Threads = 128, kD1Rows = 16, kD1Parts = kD1Threads / 32;
 __host__ __device__ constexpr int d1_register_ctas(bool fp8) { return fp8 ? 4 : 3; }
 
 struct D1Layout {
-  int stage_bytes, stages, q_off, list_off, ml_off, misc_off, qf_off, total;
+  int stage_bytes, stages, q_off, list_off, ml_off, misc_off, qf_off, bar_off, total;
 };
 __host__ __device__ inline D1Layout d1_layout(bool fp8, int stages) {
   D1Layout l{};
@@ -1851,7 +1866,8 @@ __host__ __device__ inline D1Layout d1_layout(bool fp8, int stages) {
   // (m, l): key parts [kD1Parts][16], rows [16], merged [16]; split weights [kMaxSplits][16]
   l.misc_off = l.ml_off + (kD1Parts + 2) * kD1Rows * 8 + kMaxSplits * kD1Rows * 4;
   l.qf_off = l.misc_off + 16;                              // [0] chunks, [1] last split
-  l.total = l.qf_off + (fp8 ? kD1Rows * 4 : 0);            // e4m3: the rows' query factors
+  l.bar_off = l.qf_off + (fp8 ? kD1Rows * 4 : 0);          // e4m3: the rows' query factors
+  l.total = l.bar_off + 8 * 8;                             // the copy engine's stages: an mbarrier each
   return l;
 }
 
@@ -1940,12 +1956,19 @@ __device__ __forceinline__ const char* d1_chunk(const MsaParams& p, int2 e, int 
 // pair's C, merged with the pair's other shares (`splits` in all, this one `split`, the pair's
 // partials slot_stride slots apart) through a cluster (kCluster) or global memory, or written
 // directly (splits 1). `trigger`: let the next PDL grid launch once the chunk loop is done. Every
-// return is uniform over the CTA.
-template <bool kFp8, bool kCluster>
-__device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* smem, int64_t t, int kv_head,
+// return is uniform over the CTA. kTma (sm_90a, p.cache_map encoded): thread 0 loads each chunk as
+// the copy engine's boxes (tma_chunk_boxes) completing on its stage's mbarrier, in place of every
+// thread's cp.async pieces; the boxes read a partial chunk's stale rows too, so before its P V each
+// warp zeroes the V rows of its keys at or past seq_len. `smem` is then 1024 bytes longer than
+// d1_layout's total (the stages start on the swizzle atom). e4m3 only: bf16 chunks as four boxes
+// ran slower than by cp.async at every batch (H200, session 25).
+template <bool kFp8, bool kCluster, bool kTma = false>
+__device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* smem_raw, int64_t t, int kv_head,
                                          int split, int splits, int from, int to, int den, int slot_stride,
                                          bool trigger) {
+  static_assert(kFp8 || !kTma, "the copy-engine form is e4m3's");
   const D1Layout L = d1_layout(kFp8, stages);
+  char* smem = kTma ? smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u) : smem_raw;
   char* area = smem;
   char* q_s = smem + L.q_off;
   int2* list = reinterpret_cast<int2*>(smem + L.list_off);
@@ -1956,7 +1979,6 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
   int* misc = reinterpret_cast<int*>(smem + L.misc_off);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4;
   const int G = p.num_heads / p.num_kv_heads;
-  constexpr int64_t kRowBytes = kFp8 ? 256 : 512;
 
   // Queries: the first cp.async group (rows past G zero-filled).
   for (int idx = tid; idx < kD1Rows * 16; idx += kD1Threads) {
@@ -1976,9 +1998,16 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
   }
   // The token at position seq_len - 1 sees keys [lo, hi) (causal or not: hi = seq_len).
   const int hi = seq_len, lo = d1_window_lo(p, seq_len);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L.bar_off);  // kTma: stage s's chunk landed
   if (warp == 0) {
     const int base = d1_page_list(p, lane, raw, raw_page, lo, hi, list);
     if (lane == 0) misc[0] = base;
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if (kTma && lane == 0) {
+      for (int s = 0; s < stages; ++s) kernels::mbar_init(&full[s], 1);
+      kernels::fence_mbarrier_init();
+    }
+#endif
   }
   __syncthreads();
   const int C = misc[0];
@@ -1986,19 +2015,35 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
   const float k_scale = kFp8 ? *p.k_scale : 1.f, v_scale = kFp8 ? *p.v_scale : 1.f;
   const float scale_log2 = p.softmax_scale * k_scale * kLog2e;
   const ChunkLoader<kFp8, kD1Threads> loader;
-  auto issue = [&](int c, int slot) {  // one cp.async group per chunk, empty past the split's end
-    if (c < c_end) {
-      const int2 e = list[c];
-      loader.issue(area + slot * L.stage_bytes, d1_chunk<kFp8>(p, e, kv_head), min(kChunkKeys, seq_len - e.x));
+  auto issue = [&](int c, int slot) {
+    if constexpr (kTma) {  // thread 0: the chunk's boxes, nothing past the split's end
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+      if (tid == 0 && c < c_end) {
+        const int2 e = list[c];
+        tma_chunk_boxes<kFp8>(area + slot * L.stage_bytes, p.cache_map, e.x & kChunkKeys, kv_head, e.y,
+                              uint32_t(L.stage_bytes), &full[slot]);
+      }
+#endif
+    } else {  // one cp.async group per chunk, empty past the split's end
+      if (c < c_end) {
+        const int2 e = list[c];
+        loader.issue(area + slot * L.stage_bytes, d1_chunk<kFp8>(p, e, kv_head), min(kChunkKeys, seq_len - e.x));
+      }
+      cp_async_commit();
     }
-    cp_async_commit();
   };
   for (int i = 0; i < stages - 1; ++i) issue(c_begin + i, i);
+  if (kTma) {  // the queries (the only cp.async group)
+    cp_async_wait<0>();
+    __syncthreads();
+  }
   float2 row_scale = make_float2(scale_log2, scale_log2);
   if constexpr (kFp8) {
     float* q_factor = reinterpret_cast<float*>(smem + L.qf_off);
-    cp_async_wait_dyn(stages - 1);  // the queries (the oldest group)
-    __syncthreads();
+    if (!kTma) {
+      cp_async_wait_dyn(stages - 1);  // the queries (the oldest group)
+      __syncthreads();
+    }
     q_rows_to_f16<kD1Threads>(q_s, q_factor, G);
     __syncthreads();
     row_scale.x = scale_log2 * (g < G ? q_factor[g] : 1.f);
@@ -2011,21 +2056,42 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
     for (int e = 0; e < 4; ++e) st.o[j][e] = 0.f;
   st.m[0] = st.m[1] = -INFINITY;
   st.l[0] = st.l[1] = 0.f;
-  const LaneOffsets off = lane_offsets<kFp8>(0);
+  const LaneOffsets off = lane_offsets<kFp8, kTma>(0);
   const int key0 = warp * 16;  // this warp's keys of every chunk
+  int slot = 0, fill = stages - 1;  // the stage read and the stage refilled this iteration
+  uint32_t phase = 0;               // kTma: the parity of the read stage's current fill
   for (int c = c_begin; c < c_end; ++c) {
-    const int i = c - c_begin;
-    issue(c + stages - 1, (i + stages - 1) % stages);
-    cp_async_wait_dyn(stages - 1);
-    __syncthreads();
+    issue(c + stages - 1, fill);
+    fill = fill + 1 == stages ? 0 : fill + 1;
+    char* stage = area + slot * L.stage_bytes;
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (kTma) kernels::mbar_wait(&full[slot], phase);
+#endif
+    if constexpr (!kTma) {
+      cp_async_wait_dyn(stages - 1);
+      __syncthreads();
+    }
     const int pos = list[c].x;
     const int clo = min(max(lo - pos, 0), kChunkKeys), chi = min(max(hi - pos, clo), kChunkKeys);
     if (chi > key0 && clo < key0 + 16) {
+      if (kTma && chi < key0 + 16) {  // a partial chunk: this warp's V rows past seq_len, zeroed
+        const int r0 = max(chi, key0);  // V's region: kChunkKeys rows of 8 pieces after K's
+        for (int x = lane; x < (key0 + 16 - r0) * 8; x += 32)
+          *reinterpret_cast<uint4*>(stage + (kChunkKeys + r0 + x / 8) * 128 + (x % 8) * 16) = make_uint4(0, 0, 0, 0);
+        __syncwarp();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        kernels::fence_proxy_async();  // these writes before the stage's next copy
+#endif
+      }
       const int rlo[2] = {clo, clo}, rhi[2] = {chi, chi};
-      tile_keys16<kFp8>(st, q_s, area + (i % stages) * L.stage_bytes + key0 * kRowBytes, off, key0, rlo, rhi,
-                        scale_log2, row_scale);
+      tile_keys16<kFp8, kTma>(st, q_s, stage + key0 * kKeyRowBytes<kFp8, kTma>, off, key0, rlo, rhi, scale_log2,
+                              row_scale);
     }
     __syncthreads();  // the stage is refilled next iteration
+    if (++slot == stages) {
+      slot = 0;
+      phase ^= 1u;
+    }
   }
   cp_async_wait<0>();
   __syncthreads();
@@ -2098,7 +2164,7 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
 }
 
 // dql-1 decode, a CTA per (request t = blockIdx.x, KV head, split): split z of the pair's chunks.
-template <bool kFp8, bool kCluster>
+template <bool kFp8, bool kCluster, bool kTma>
 __global__ void __launch_bounds__(kD1Threads, d1_register_ctas(kFp8))
     msa_decode1_kernel(const __grid_constant__ MsaParams p, int stages) {
   kernels::grid_dependency_wait();  // launched with PDL (p.pdl): nothing is read before this
@@ -2106,8 +2172,8 @@ __global__ void __launch_bounds__(kD1Threads, d1_register_ctas(kFp8))
   const int64_t t = blockIdx.x;  // dql 1: token t is request t's only one
   const int kv_head = blockIdx.y, split = blockIdx.z;
   const int splits = p.num_splits > 1 ? p.num_splits : 1;
-  d1_share<kFp8, kCluster>(p, stages, smem, t, kv_head, split, splits, split, split + 1, splits, splits,
-                           p.pdl_trigger);
+  d1_share<kFp8, kCluster, kTma>(p, stages, smem, t, kv_head, split, splits, split, split + 1, splits, splits,
+                                 p.pdl_trigger);
 }
 
 // Benchmarks (msa_decode1_read_floor_launch): msa_decode1_kernel's page stream alone on its split
@@ -2171,7 +2237,7 @@ __global__ void __launch_bounds__(kD1Threads)
 // j % num_splits of pair mixed_whole + j / num_splits, merged through global memory. mixed_whole is
 // a whole number of rounds of one CTA an SM, so that (CTAs filling the SMs breadth-first in index
 // order) each SM gets the same whole pairs and the pieces spread the rest.
-template <bool kFp8>
+template <bool kFp8, bool kTma>
 __global__ void __launch_bounds__(kD1Threads, d1_register_ctas(kFp8))
     msa_decode1_mixed_kernel(const __grid_constant__ MsaParams p, int stages) {
   kernels::grid_dependency_wait();  // launched with PDL (p.pdl): nothing is read before this
@@ -2179,8 +2245,8 @@ __global__ void __launch_bounds__(kD1Threads, d1_register_ctas(kFp8))
   const int i = blockIdx.x, whole = p.mixed_whole, q = p.num_splits;
   const bool piece = i >= whole;
   const int pair = piece ? whole + (i - whole) / q : i, s = piece ? (i - whole) % q : 0;
-  d1_share<kFp8, false>(p, stages, smem, pair / p.num_kv_heads, pair % p.num_kv_heads, s, piece ? q : 1, s, s + 1,
-                        piece ? q : 1, q, p.pdl_trigger);
+  d1_share<kFp8, false, kTma>(p, stages, smem, pair / p.num_kv_heads, pair % p.num_kv_heads, s, piece ? q : 1, s,
+                              s + 1, piece ? q : 1, q, p.pdl_trigger);
 }
 
 bool g_force_baseline = false;
@@ -2324,7 +2390,19 @@ int d1_ctas_per_sm(bool fp8, int64_t ctas) {
 // 115.1; batch 64 (256 CTAs, one wave either way) 69.0 vs 70.2, left at two; 128 (1.3 waves at
 // three) 151.3 vs 132.1; 32 39.7 vs 39.2 — three CTAs an SM pay where they remove a partial
 // second wave.
-KernelConfig decode1_config(bool fp8, int64_t ctas, bool mixed) {
+// Whether an e4m3 dql-1 decode grid of `ctas` CTAs takes the copy-engine form (kTma): up to 2.5 CTAs
+// an SM. H200, M3 shapes, 32K, against the cp.async form in the same call (session 25): 9 x 32 CTAs
+// (batch 8) 1.03x, 256 (batch 32, 2 splits; batch 64) 1.06x / 1.02x, but 512 (batch 128, four an
+// SM) 0.95x. M3RT_MSA_D1_TMA=0 / 1 forces the cp.async / copy-engine form (benchmarks).
+bool d1_use_tma(bool fp8, int64_t ctas) {
+  if (!fp8 || !kernels::hopper_paths_run()) return false;
+  const int forced = env_int("M3RT_MSA_D1_TMA", -1);
+  if (forced >= 0) return forced != 0;
+  return 2 * ctas <= 5 * int64_t(detail::multiprocessor_count());
+}
+
+// tma: the kTma instances (e4m3; chunks by the copy engine; 1024 bytes more shared memory).
+KernelConfig decode1_config(bool fp8, int64_t ctas, bool mixed, bool tma) {
   const detail::DeviceLimits dl = detail::device_limits();
   const int per_sm = dl.smem_per_sm, optin = dl.smem_optin;
   const D1Layout base = d1_layout(fp8, 0);
@@ -2334,14 +2412,17 @@ KernelConfig decode1_config(bool fp8, int64_t ctas, bool mixed) {
   int stages = fp8 || d1_ctas_per_sm(fp8, ctas) == 3 ? 2 : fit;
   stages = std::clamp(env_int("M3RT_MSA_D1_STAGES", stages), 2, most);  // tuning knob for benches
   KernelConfig cfg{};
-  if (mixed)
-    cfg.fn = fp8 ? msa_decode1_mixed_kernel<true> : msa_decode1_mixed_kernel<false>;
-  else
-    cfg.fn = fp8 ? msa_decode1_kernel<true, false> : msa_decode1_kernel<false, false>;
-  cfg.cluster_fn = fp8 ? msa_decode1_kernel<true, true> : msa_decode1_kernel<false, true>;
+  if (tma) {
+    cfg.fn = mixed ? msa_decode1_mixed_kernel<true, true> : msa_decode1_kernel<true, false, true>;
+    cfg.cluster_fn = msa_decode1_kernel<true, true, true>;
+  } else {
+    cfg.fn = mixed ? (fp8 ? msa_decode1_mixed_kernel<true, false> : msa_decode1_mixed_kernel<false, false>)
+                   : (fp8 ? msa_decode1_kernel<true, false, false> : msa_decode1_kernel<false, false, false>);
+    cfg.cluster_fn = fp8 ? msa_decode1_kernel<true, true, false> : msa_decode1_kernel<false, true, false>;
+  }
   cfg.threads = cfg.cluster_threads = kD1Threads;
   cfg.stages = stages;
-  cfg.smem = d1_layout(fp8, stages).total;
+  cfg.smem = d1_layout(fp8, stages).total + (tma ? 1024 : 0);
   raise_smem_limit({cfg.fn, cfg.cluster_fn}, cfg.smem);
   return cfg;
 }
@@ -2451,7 +2532,7 @@ bool msa_decode1_read_floor_launch(const MsaParams& p, unsigned* sink, CUstream_
     return false;
   const int splits = std::max(1, p.num_splits);
   const int64_t ctas = p.num_seqs * int64_t(p.num_kv_heads) * splits;
-  const int stages = std::min(8, decode1_config(p.fp8, ctas, false).stages);
+  const int stages = std::min(8, decode1_config(p.fp8, ctas, false, false).stages);
   const int smem = stages * d1_layout(p.fp8, 0).stage_bytes;
   auto fn = p.fp8 ? msa_decode1_read_floor_kernel<true> : msa_decode1_read_floor_kernel<false>;
   detail::raise_smem_limit(reinterpret_cast<const void*>(fn), smem);
@@ -2475,14 +2556,14 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
     throw Error("msa_attention: split decode without its scratch (internal)");
   const bool d1 = !p.cu_seqlens_q && use_decode1(p.decode_query_len);
   MsaParams call = p;
-  // Groups on the wgmma loop take its copy-engine form (M3RT_MSA_WG_TMA=0: the cp.async form, for
-  // benchmarks).
-  const bool tma = !d1 && use_wgmma(msa_group_rows(G, tg)) && !switched_off("M3RT_MSA_WG_TMA") &&
-                   encode_cache_map(call);
   const bool mixed = d1 && p.mixed_whole > 0;
   const int64_t pairs = groups * p.num_kv_heads;
   const int64_t ctas = mixed ? p.mixed_whole + (pairs - p.mixed_whole) * splits : pairs * splits;
-  KernelConfig cfg = d1 ? decode1_config(p.fp8, ctas, mixed)
+  // Groups on the wgmma loop take its copy-engine form (M3RT_MSA_WG_TMA=0: the cp.async form, for
+  // benchmarks); so does e4m3 dql-1 decode where d1_use_tma says.
+  const bool tma = d1 ? d1_use_tma(p.fp8, ctas) && encode_cache_map(call)
+                      : use_wgmma(msa_group_rows(G, tg)) && !switched_off("M3RT_MSA_WG_TMA") && encode_cache_map(call);
+  KernelConfig cfg = d1 ? decode1_config(p.fp8, ctas, mixed, tma)
                         : kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, ctas, tma, p.p16);
   const dim3 grid = mixed ? dim3(unsigned(ctas)) : dim3(unsigned(groups), unsigned(p.num_kv_heads), unsigned(splits));
   // Split decode on Hopper: each group's splits form one cluster and merge through DSMEM (not the
@@ -2493,7 +2574,7 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   // those launches slower (H200, c22c943, the drafter's 112-row blocks: batch 8, 4 splits, 64.8 vs
   // 63.3 us; batch 1, 16 splits, 53.6 vs 41.7 us), while it won unsplit (verify, prefill: 1.22-1.32x)
   // and cluster-merged launches (batch 1, 16 splits: 21.6 vs 22.6 us).
-  if (tma && splits > 1 && !cluster) {
+  if (!d1 && tma && splits > 1 && !cluster) {
     cfg = kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, ctas, false, false);
     cluster = cluster_merge_fits(cfg, grid, splits);
   }

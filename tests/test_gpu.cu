@@ -584,6 +584,7 @@ struct MsaDecodeCase {
   Tensor cache, q, topk, lens, table, out, lse, ks, vs;
   TensorView topk_hm;  // [Hkv, T, K] view of the [T, Hkv, K] buffer
   std::unique_ptr<MsaDecodePlan> plan;
+  std::vector<int32_t> lens_h, table_h;  // the last refill's lengths and block table
 
   MsaDecodeCase(bool fp8_, int dql_, int batch = 3)
       : fp8(fp8_), dql(dql_), B(batch), pages(batch * max_blocks + 4), T(int64_t(batch) * dql_) {
@@ -635,12 +636,26 @@ struct MsaDecodeCase {
     }
     upload(lens, ints(l, {B}));
     upload(table, ints(tab, {B, max_blocks}));
+    lens_h = l;
+    table_h = tab;
     upload(topk, ints(tk, {T, Hkv, K}));
     poison();
   }
   void poison() {
     out.fill_bytes(0xFF);
     lse.fill_bytes(0xFF);
+  }
+  // The rows past seq_len of each request's last page become NaN (0xFF bytes), every KV head.
+  void poison_tails() {
+    const int64_t row = 256 * (fp8 ? 1 : 2);
+    for (int b = 0; b < B; ++b) {
+      const int l = lens_h[size_t(b)], r0 = l % 128;
+      if (l == 0 || r0 == 0) continue;
+      const int page = table_h[size_t(b * max_blocks + (l - 1) / 128)];
+      for (int h = 0; h < Hkv; ++h)
+        CUDA_OK(cudaMemset(static_cast<char*>(cache.data()) + ((int64_t(page) * Hkv + h) * 128 + r0) * row, 0xFF,
+                           size_t((128 - r0) * row)));
+    }
   }
   void run(cudaStream_t st, bool pdl = false) {
     plan->run({.q = q, .cache = {cache, dtype(), ks, vs}, .topk = topk_hm, .seq_lens = lens, .block_table = table,
@@ -779,6 +794,42 @@ TEST_P(GpuMsaLoops, CopyEngineLoopMatchesCpAsyncLoopBitwise) {
         }
         EXPECT_TRUE(same_bytes(tma_out, c.out)) << other << "=0: out, batch " << batch << ", round " << round;
         EXPECT_TRUE(same_bytes(tma_lse, c.lse)) << other << "=0: lse, batch " << batch << ", round " << round;
+      }
+    }
+  }
+  CUDA_OK(cudaStreamDestroy(st));
+}
+
+// e4m3 dql-1 decode's two chunk loaders (msa_decode1_kernel's kTma form, chunks as tensor-map boxes
+// with the V rows past seq_len zeroed by their warp, and the cp.async form that zero-fills them)
+// write the same bits, with every request's rows past seq_len NaN: batch 3 (16-split clusters),
+// 67 (268 (request, KV head) pairs in 2 splits, a cluster each) and 140 (the mixed grid).
+TEST(GpuMsaDecode1, CopyEngineChunksMatchCpAsyncChunksBitwise) {
+  REQUIRE_GPU();
+  if (!kernels::hopper_paths_run()) GTEST_SKIP() << "not a Hopper GPU or no sm_90a code in this build: no copy-engine form";
+  cudaStream_t st = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  for (const int batch : {3, 67, 140}) {
+    MsaDecodeCase c(true, 1, batch);
+    for (int round = 0; round < 2; ++round) {
+      c.refill();
+      c.poison_tails();
+      Tensor want_out, want_lse;
+      for (const char* form : {"1", "0"}) {
+        c.poison();
+        {
+          const detail::ScopedEnv forced("M3RT_MSA_D1_TMA", form);
+          c.run(st);
+          CUDA_OK(cudaStreamSynchronize(st));
+        }
+        EXPECT_EQ(c.nan_outputs(), 0) << "M3RT_MSA_D1_TMA=" << form << ", batch " << batch << ", round " << round;
+        if (*form == '1') {
+          want_out = c.out.to(Device::cpu());
+          want_lse = c.lse.to(Device::cpu());
+        } else {
+          EXPECT_TRUE(same_bytes(want_out, c.out)) << "out, batch " << batch << ", round " << round;
+          EXPECT_TRUE(same_bytes(want_lse, c.lse)) << "lse, batch " << batch << ", round " << round;
+        }
       }
     }
   }

@@ -82,6 +82,8 @@ using kernels::smem_u32;
 
 constexpr int kPage = 128;
 constexpr int kChunkKeys = 64;  // keys per pipeline stage
+// Bytes of a cache row (one key's K and V of a KV head): bf16 512, e4m3 256.
+__host__ __device__ constexpr int cache_row_bytes(bool fp8) { return fp8 ? 256 : 512; }
 constexpr int kWgImageBytes = kChunkKeys * 512;  // a chunk as the wgmma loop reads it (bf16 / f16)
 constexpr int kWgImages = 3;                     // e4m3 wgmma loop: converted chunks in flight
 // The copy-engine loop's mbarriers: per stage `full` and `empty`; e4m3 also per image.
@@ -112,7 +114,7 @@ __host__ __device__ inline int next_pow2(int n) {
 __host__ __device__ inline SmemLayout smem_layout(bool fp8, int stages, int group_tokens, int group_size, int topk,
                                                   int max_blocks, int warps, int image_bytes = 0, int bars = 0) {
   SmemLayout l{};
-  l.stage_bytes = kChunkKeys * (fp8 ? 256 : 512);
+  l.stage_bytes = kChunkKeys * cache_row_bytes(fp8);
   l.stages = stages;
   l.rows = msa_group_rows(group_size, group_tokens);
   const int n = group_tokens * topk;
@@ -282,7 +284,7 @@ struct LaneOffsets {
 
 // Bytes between two key rows of a stage.
 template <bool kFp8, bool kBoxed>
-constexpr int kKeyRowBytes = kBoxed ? 128 : (kFp8 ? 256 : 512);
+constexpr int kKeyRowBytes = kBoxed ? 128 : cache_row_bytes(kFp8);
 
 template <bool kFp8, bool kBoxed = false>
 __device__ __forceinline__ LaneOffsets lane_offsets(int tile) {
@@ -478,7 +480,7 @@ __device__ __forceinline__ void chunk_row_ranges(uint32_t mask, int chunk_pos, c
 // (16-byte chunk q of key n at q ^ (n % 8)), the layout both wgmma operands read.
 template <bool kFp8, int kThreads, bool kSw128 = false>
 struct ChunkLoader {
-  static constexpr int kRow = kFp8 ? 256 : 512, kPieces = kRow / 16;
+  static constexpr int kRow = cache_row_bytes(kFp8), kPieces = kRow / 16;
   static constexpr int kRowsPerPass = kThreads / kPieces, kPasses = kChunkKeys / kRowsPerPass;
   static constexpr int kDstRow = kSw128 ? 128 : kRow;  // bytes between a region's key rows
   static_assert(!kSw128 || (!kFp8 && kRowsPerPass % 8 == 0), "the swizzled layout holds bf16 rows");
@@ -1600,7 +1602,7 @@ __global__ void __launch_bounds__(kWarps * 32 + (kWs ? 128 : 0), kWs ? 1 : 8 / k
   const LaneOffsets off = lane_offsets<kFp8>(tile);
   const ChunkLoader<kFp8, kThreads, kWg && !kFp8> loader;
   const char* cache = static_cast<const char*>(p.cache);
-  constexpr int64_t kRowBytes = kFp8 ? 256 : 512;
+  constexpr int64_t kRowBytes = cache_row_bytes(kFp8);
 
   auto issue = [&](int c, int slot) {
     if (c < c_end && chunk_mask(uniq, c) != 0) {
@@ -1857,7 +1859,7 @@ struct D1Layout {
 };
 __host__ __device__ inline D1Layout d1_layout(bool fp8, int stages) {
   D1Layout l{};
-  l.stage_bytes = kChunkKeys * (fp8 ? 256 : 512);
+  l.stage_bytes = kChunkKeys * cache_row_bytes(fp8);
   l.stages = stages;
   const int planes = kD1Parts * kD1Rows * 512;  // the key parts' fp32 output rows, after the loop
   l.q_off = stages * l.stage_bytes > planes ? stages * l.stage_bytes : planes;
@@ -1949,7 +1951,7 @@ template <bool kFp8>
 __device__ __forceinline__ const char* d1_chunk(const MsaParams& p, int2 e, int kv_head) {
   const int half = (e.x / kChunkKeys) & 1;
   return static_cast<const char*>(p.cache) +
-         ((int64_t(e.y) * p.num_kv_heads + kv_head) * kPage + half * kChunkKeys) * (kFp8 ? 256 : 512);
+         ((int64_t(e.y) * p.num_kv_heads + kv_head) * kPage + half * kChunkKeys) * cache_row_bytes(kFp8);
 }
 
 // One (request t, KV head) pair's share of a dql-1 decode: chunks [from C / den, to C / den) of the
@@ -2033,17 +2035,12 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
     }
   };
   for (int i = 0; i < stages - 1; ++i) issue(c_begin + i, i);
-  if (kTma) {  // the queries (the only cp.async group)
-    cp_async_wait<0>();
-    __syncthreads();
-  }
   float2 row_scale = make_float2(scale_log2, scale_log2);
   if constexpr (kFp8) {
     float* q_factor = reinterpret_cast<float*>(smem + L.qf_off);
-    if (!kTma) {
-      cp_async_wait_dyn(stages - 1);  // the queries (the oldest group)
-      __syncthreads();
-    }
+    if constexpr (kTma) cp_async_wait<0>();  // the queries (the only cp.async group)
+    else cp_async_wait_dyn(stages - 1);      // the queries (the oldest group)
+    __syncthreads();
     q_rows_to_f16<kD1Threads>(q_s, q_factor, G);
     __syncthreads();
     row_scale.x = scale_log2 * (g < G ? q_factor[g] : 1.f);
@@ -2190,7 +2187,7 @@ __global__ void __launch_bounds__(kD1Threads)
   __shared__ uint64_t full[8];
   __shared__ int2 list[2 * kMsaMaxTopk];
   __shared__ int count;
-  constexpr int kRowBytes = kFp8 ? 256 : 512;
+  constexpr int kRowBytes = cache_row_bytes(kFp8);
   const int64_t t = blockIdx.x;
   const int kv_head = blockIdx.y, split = blockIdx.z, splits = p.num_splits > 1 ? p.num_splits : 1;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -2297,7 +2294,7 @@ bool encode_cache_map(MsaParams& p) {
     return reinterpret_cast<Encode>(fn);
   }();
   if (encode == nullptr || p.num_cache_blocks <= 0 || p.num_cache_blocks > 0x7fffffff) return false;
-  const cuuint64_t row = p.fp8 ? 256 : 512;  // bytes a cache row
+  const cuuint64_t row = cuuint64_t(cache_row_bytes(p.fp8));
   const cuuint64_t dims[4] = {256, cuuint64_t(kPage), cuuint64_t(p.num_kv_heads), cuuint64_t(p.num_cache_blocks)};
   const cuuint64_t strides[3] = {row, kPage * row, cuuint64_t(p.num_kv_heads) * kPage * row};  // bytes
   const cuuint32_t box[4] = {p.fp8 ? 128u : 64u, cuuint32_t(kChunkKeys), 1, 1}, unit[4] = {1, 1, 1, 1};

@@ -324,7 +324,7 @@ __device__ __forceinline__ void select_candidates(const float* scores, int nb, i
 // ascending order, then -1. In the decode kernel this runs once per request on an SM that has not
 // run it before, after every split has stored its scores, so its length is the call's tail: each
 // step is a short chain of independent instructions (no loop-carried memory round trips; the code is
-// rolled over chunks of 64 or 256 blocks, so little of it has to be fetched).
+// rolled over chunks of 64, 256 or 512 blocks, so little of it has to be fetched).
 //   1. The keys (L2 -> shared memory; one chunk's loads in flight while the previous one is stored)
 //      and each lane's maximum candidate key.
 //   2. T = the need-th largest of the 32 lane maxima: at least `need` candidate keys are >= T, so
@@ -349,12 +349,19 @@ __device__ void select_row(const float* scores, int nb, int topk, int init_block
   for (int j = lane; j < lo; j += 32) out[j] = j;
   for (int j = hi + lane; j < nb; j += 32) out[lo + need + j - hi] = j;
   if (need == 0) return;
-  // Rows of up to 64 blocks (most prefill rows) in one pass of 2 keys a lane, longer rows in
-  // passes of 8.
+  // Rows of up to 64 blocks (most prefill rows) in one pass of 2 keys a lane, up to 512 in passes
+  // of 8, longer rows in passes of 16 (a 1024-block row in two chunks instead of four: 0.3-0.6 us
+  // less a call at 128K, H200 session 26; 16 for rows of 257-512 blocks not measured).
+  // Every chunk's keys are staged through shared memory and the loops are rolled over chunks: the
+  // code runs once per request on a cold SM, and forms that held a row's keys in registers (fully
+  // unrolled) or staged them by 4-byte cp.async ran slower at every decode row, up to 1.5x the time
+  // at batch 1, 128K (docs/perf.md, session 26).
   if (nb <= 64)
     select_candidates<2>(scores, nb, lo, hi, need, out, sc);
-  else
+  else if (nb <= 512)
     select_candidates<8>(scores, nb, lo, hi, need, out, sc);
+  else
+    select_candidates<16>(scores, nb, lo, hi, need, out, sc);
   __syncwarp();  // the scratch is free for the warp's next row
 }
 

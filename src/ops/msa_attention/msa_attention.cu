@@ -2392,10 +2392,11 @@ int d1_ctas_per_sm(bool fp8, int64_t ctas) {
 // e4m3 grid (tests, benchmarks); unset or 0, never. H200, M3 shapes, 32K, against the cp.async form
 // in the same call, two runs (session 25): batch 8 (288 CTAs) 1.025x, 32 (256) 1.046x, 48 (384)
 // 1.045x, 64 (256) 1.020x, 80 (376, mixed grid) 1.035x, 96 (384) 1.005x, but 112 (500, mixed)
-// 0.994x and 128 (512) 0.942x. Not the default: compute-sanitizer synccheck stopped on an illegal
-// address (6 errors) in the windowed topk-64 check row with it, a row that passes every normal run,
-// memcheck and racecheck with it (and the form is bitwise equal to the cp.async one): not
-// understood yet.
+// 0.994x and 128 (512) 0.942x. Not the default: compute-sanitizer synccheck stops on the windowed
+// topk-64 check row with it ("Missing wait" at thread 0's first arrive.expect_tx in cluster rank 15
+// of 16-CTA clusters, then an illegal address; clean with 8-CTA clusters or the global merge,
+// session 26), a row that passes every normal run, memcheck and racecheck with it (and the form is
+// bitwise equal to the cp.async one): not understood yet.
 bool d1_use_tma(bool fp8, int64_t ctas) {
   if (!fp8 || !kernels::hopper_paths_run()) return false;
   const int mode = env_int("M3RT_MSA_D1_TMA", 0);

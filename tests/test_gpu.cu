@@ -800,10 +800,14 @@ TEST_P(GpuMsaLoops, CopyEngineLoopMatchesCpAsyncLoopBitwise) {
   CUDA_OK(cudaStreamDestroy(st));
 }
 
+INSTANTIATE_TEST_SUITE_P(CacheDtype, GpuMsaLoops, ::testing::Bool(),
+                         [](const auto& info) { return std::string(info.param ? "fp8" : "bf16"); });
+
 // e4m3 dql-1 decode's two chunk loaders (msa_decode1_kernel's kTma form, opt-in, chunks as
 // tensor-map boxes with the V rows past seq_len zeroed by their warp, and the cp.async form that
-// zero-fills them) write the same bits, with every request's rows past seq_len NaN: batch 3 (16-split clusters),
-// 67 (268 (request, KV head) pairs in 2 splits, a cluster each) and 140 (the mixed grid).
+// zero-fills them) write the same bits, with every request's rows past seq_len NaN: batch 3
+// (16-split clusters), 67 (268 (request, KV head) pairs in 2 splits, a cluster each) and 140 (the
+// mixed grid).
 TEST(GpuMsaDecode1, CopyEngineChunksMatchCpAsyncChunksBitwise) {
   REQUIRE_GPU();
   if (!kernels::hopper_paths_run()) GTEST_SKIP() << "not a Hopper GPU or no sm_90a code in this build: no copy-engine form";
@@ -835,8 +839,5 @@ TEST(GpuMsaDecode1, CopyEngineChunksMatchCpAsyncChunksBitwise) {
   }
   CUDA_OK(cudaStreamDestroy(st));
 }
-
-INSTANTIATE_TEST_SUITE_P(CacheDtype, GpuMsaLoops, ::testing::Bool(),
-                         [](const auto& info) { return std::string(info.param ? "fp8" : "bf16"); });
 
 }  // namespace

@@ -38,8 +38,10 @@ step check-no-producer check.log env M3RT_MSA_WS=0 "$BUILD_DIR/m3rt" check --dev
 # global-memory merge instead of the cluster one.
 step check-msa-general check.log env M3RT_MSA_DECODE1=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode
 step check-global-merge check.log env M3RT_MSA_CLUSTER=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode
-# e4m3 dql 1 with its chunks by the copy engine (opt-in) on every grid.
+# e4m3 dql 1 with its chunks by the copy engine on every grid (the default takes it on grids of
+# up to 3 CTAs an SM and at most 8 splits), and by cp.async on every grid.
 step check-d1-copy-engine check.log env M3RT_MSA_D1_TMA=2 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode
+step check-d1-cp-async check.log env M3RT_MSA_D1_TMA=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode
 # dql 1 with the split grid where the plan would take the mixed one.
 step check-msa-split-grid check.log env M3RT_MSA_MIXED=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode
 step check-sync check.log env M3RT_SYNC_CHECK=1 "$BUILD_DIR/m3rt" check --device cuda

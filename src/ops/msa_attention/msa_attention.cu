@@ -2387,20 +2387,25 @@ int d1_ctas_per_sm(bool fp8, int64_t ctas) {
 // 115.1; batch 64 (256 CTAs, one wave either way) 69.0 vs 70.2, left at two; 128 (1.3 waves at
 // three) 151.3 vs 132.1; 32 39.7 vs 39.2 — three CTAs an SM pay where they remove a partial
 // second wave.
-// Whether an e4m3 dql-1 decode grid of `ctas` CTAs takes the copy-engine form (kTma). Opt-in for
-// now: M3RT_MSA_D1_TMA=1 takes it for grids of up to 3 CTAs an SM, where it wins, =2 for every
-// e4m3 grid (tests, benchmarks); unset or 0, never. H200, M3 shapes, 32K, against the cp.async form
-// in the same call, two runs (session 25): batch 8 (288 CTAs) 1.025x, 32 (256) 1.046x, 48 (384)
-// 1.045x, 64 (256) 1.020x, 80 (376, mixed grid) 1.035x, 96 (384) 1.005x, but 112 (500, mixed)
-// 0.994x and 128 (512) 0.942x. Not the default: compute-sanitizer synccheck stops on the windowed
-// topk-64 check row with it ("Missing wait" at thread 0's first arrive.expect_tx in cluster rank 15
-// of 16-CTA clusters, then an illegal address; clean with 8-CTA clusters or the global merge,
-// session 26), a row that passes every normal run, memcheck and racecheck with it (and the form is
-// bitwise equal to the cp.async one): not understood yet.
-bool d1_use_tma(bool fp8, int64_t ctas) {
+// Whether an e4m3 dql-1 decode grid of `ctas` CTAs, each pair in `splits` splits or pieces, takes
+// the copy-engine form (kTma). By default (M3RT_MSA_D1_TMA unset or 1): split grids of up to 3 CTAs
+// an SM, unsplit ones of up to 2, and at most kD1TmaMaxSplits splits; =2 for every e4m3 grid
+// (tests, benchmarks), =0 never. H200, M3 shapes, 32K, against the cp.async form in the same call
+// (sessions 25 and 27, two runs each): split grids batch 8 (288 CTAs) 1.025x, 32 (256) 1.046-1.054x,
+// 48 (384) 1.041-1.045x, 80 (376, mixed) 1.035-1.036x, but 112 (500, mixed) 0.994x; unsplit 64 (256)
+// 1.019-1.020x, 96 (384) 0.987-1.005x, 128 (512) 0.942x. More than 8 splits (clusters of 9-16 CTAs)
+// keep cp.async: there compute-sanitizer synccheck reports "Missing wait" at the first
+// arrive.expect_tx, as it does for a minimal kernel whose mbarrier protocol is plainly correct (one
+// barrier: init, fence, arrive.expect_tx, every thread waiting) in clusters of 9, 12, 15 or 16 CTAs
+// with two CTAs on an SM, and not in clusters of 8 or with one CTA an SM (session 27,
+// docs/perf.md): the tool cannot vouch for the form there.
+constexpr int kD1TmaMaxSplits = 8;
+bool d1_use_tma(bool fp8, int64_t ctas, int splits) {
   if (!fp8 || !kernels::hopper_paths_run()) return false;
-  const int mode = env_int("M3RT_MSA_D1_TMA", 0);
-  return mode >= 2 || (mode == 1 && ctas <= 3 * int64_t(detail::multiprocessor_count()));
+  const int mode = env_int("M3RT_MSA_D1_TMA", 1);
+  const int64_t per_sm = splits > 1 ? 3 : 2;
+  return mode >= 2 ||
+         (mode == 1 && ctas <= per_sm * detail::multiprocessor_count() && splits <= kD1TmaMaxSplits);
 }
 
 // tma: the kTma instances (e4m3; chunks by the copy engine; 1024 bytes more shared memory).
@@ -2563,7 +2568,7 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   const int64_t ctas = mixed ? p.mixed_whole + (pairs - p.mixed_whole) * splits : pairs * splits;
   // Groups on the wgmma loop take its copy-engine form (M3RT_MSA_WG_TMA=0: the cp.async form, for
   // benchmarks); so does e4m3 dql-1 decode where d1_use_tma says.
-  const bool tma = d1 ? d1_use_tma(p.fp8, ctas) && encode_cache_map(call)
+  const bool tma = d1 ? d1_use_tma(p.fp8, ctas, splits) && encode_cache_map(call)
                       : use_wgmma(msa_group_rows(G, tg)) && !switched_off("M3RT_MSA_WG_TMA") && encode_cache_map(call);
   KernelConfig cfg = d1 ? decode1_config(p.fp8, ctas, mixed, tma)
                         : kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, ctas, tma, p.p16);

@@ -803,11 +803,11 @@ TEST_P(GpuMsaLoops, CopyEngineLoopMatchesCpAsyncLoopBitwise) {
 INSTANTIATE_TEST_SUITE_P(CacheDtype, GpuMsaLoops, ::testing::Bool(),
                          [](const auto& info) { return std::string(info.param ? "fp8" : "bf16"); });
 
-// e4m3 dql-1 decode's two chunk loaders (msa_decode1_kernel's kTma form, opt-in, chunks as
-// tensor-map boxes with the V rows past seq_len zeroed by their warp, and the cp.async form that
-// zero-fills them) write the same bits, with every request's rows past seq_len NaN: batch 3
-// (16-split clusters), 67 (268 (request, KV head) pairs in 2 splits, a cluster each) and 140 (the
-// mixed grid).
+// e4m3 dql-1 decode's two chunk loaders (msa_decode1_kernel's kTma form, the default on grids of at
+// most 8 splits and 2-3 CTAs an SM, forced here on every grid; chunks as tensor-map boxes with the
+// V rows past seq_len zeroed by their warp, and the cp.async form that zero-fills them) write the
+// same bits, with every request's rows past seq_len NaN: batch 3 (16-split clusters), 67 (268
+// (request, KV head) pairs in 2 splits, a cluster each) and 140 (the mixed grid).
 TEST(GpuMsaDecode1, CopyEngineChunksMatchCpAsyncChunksBitwise) {
   REQUIRE_GPU();
   if (!kernels::hopper_paths_run()) GTEST_SKIP() << "not a Hopper GPU or no sm_90a code in this build: no copy-engine form";

@@ -2391,14 +2391,15 @@ int d1_ctas_per_sm(bool fp8, int64_t ctas) {
 // the copy-engine form (kTma). By default (M3RT_MSA_D1_TMA unset or 1): split grids of up to 3 CTAs
 // an SM, unsplit ones of up to 2, and at most kD1TmaMaxSplits splits; =2 for every e4m3 grid
 // (tests, benchmarks), =0 never. H200, M3 shapes, 32K, against the cp.async form in the same call
-// (sessions 25 and 27, two runs each): split grids batch 8 (288 CTAs) 1.025x, 32 (256) 1.046-1.054x,
-// 48 (384) 1.041-1.045x, 80 (376, mixed) 1.035-1.036x, but 112 (500, mixed) 0.994x; unsplit 64 (256)
-// 1.019-1.020x, 96 (384) 0.987-1.005x, 128 (512) 0.942x. More than 8 splits (clusters of 9-16 CTAs)
-// keep cp.async: there compute-sanitizer synccheck reports "Missing wait" at the first
-// arrive.expect_tx, as it does for a minimal kernel whose mbarrier protocol is plainly correct (one
-// barrier: init, fence, arrive.expect_tx, every thread waiting) in clusters of 9, 12, 15 or 16 CTAs
-// with two CTAs on an SM, and not in clusters of 8 or with one CTA an SM (session 27,
-// docs/perf.md): the tool cannot vouch for the form there.
+// (sessions 25 and 27, two runs each): split grids batch 8 (288 CTAs) 1.025x, 32 (256)
+// 1.046-1.054x, 48 (384) 1.041-1.045x, 80 (376, mixed) 1.035-1.036x, but 112 (500, mixed) 0.994x;
+// unsplit 64 (256) 1.019-1.020x, 96 (384) 0.987-1.005x, 128 (512) 0.942x (msa_decode_splits turns
+// an e4m3 count of 9 into 8 to take it). More than 8 splits (clusters of 9-16 CTAs) keep cp.async:
+// there compute-sanitizer synccheck reports "Missing wait" at the first arrive.expect_tx, as it
+// does for a minimal kernel whose mbarrier protocol is plainly correct (one barrier: init, fence,
+// arrive.expect_tx, every thread waiting) in clusters of 9, 12, 15 or 16 CTAs with two CTAs on an
+// SM, and not in clusters of 8 or with one CTA an SM (session 27, docs/perf.md): the tool cannot
+// vouch for the form there.
 constexpr int kD1TmaMaxSplits = 8;
 bool d1_use_tma(bool fp8, int64_t ctas, int splits) {
   if (!fp8 || !kernels::hopper_paths_run()) return false;
@@ -2530,6 +2531,11 @@ int msa_decode_splits(int batch, int dql, int num_heads, int num_kv_heads, int t
   // 38.3-38.4). e4m3 keeps the rule: one e4m3 CTA per SM does not hide its conversions (batch 32
   // at 1 split 36.1-36.2 us against 30.4-30.7 at 2; batch 48, session 9: 46.4 against 38.1).
   if (d1 && !fp8 && 20 * pairs >= 19 * sms) splits = 1;
+  // e4m3: one split fewer where that brings the pairs into the copy-engine form's 8 splits
+  // (d1_use_tma). H200, batch 8 = 32 pairs, same call, two runs: 8 splits 15.38-15.43 us against
+  // the rule's 9 (cp.async) 16.09-16.11, 1.046x (session 27).
+  if (d1 && fp8 && splits == kD1TmaMaxSplits + 1 && d1_use_tma(true, pairs * kD1TmaMaxSplits, kD1TmaMaxSplits))
+    splits = kD1TmaMaxSplits;
   splits = std::clamp<int64_t>(env_int("M3RT_MSA_SPLITS", int(splits)), 1, cap);  // tuning knob for benches
   return int(splits);
 }

@@ -17,6 +17,19 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
   return uint32_t(h.x) | (uint32_t(h.y) << 16);
 }
 
+// Four e4m3 codes -> two f16 pairs (lo from bytes 0-1, hi from bytes 2-3), exactly. On sm_89+ the
+// high pair is converted in place (the conversion reads the register's upper half: no shift).
+__device__ __forceinline__ void e4m3x4_to_f16x2x2(uint32_t four, uint32_t& lo, uint32_t& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(four));
+#else
+  lo = e4m3x2_to_f16x2(four);
+  hi = e4m3x2_to_f16x2(four >> 16);
+#endif
+}
+
 // d += A B on m16n8k16 tensor cores, fp32 accumulation; inputs f16 (kF16) or bf16 pairs.
 template <bool kF16>
 __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,

@@ -76,7 +76,7 @@ namespace {
 using kernels::cp_async_16z;
 using kernels::cp_async_commit;
 using kernels::cp_async_wait;
-using kernels::e4m3x2_to_f16x2;
+using kernels::e4m3x4_to_f16x2x2;
 using kernels::mma_16816;
 using kernels::smem_u32;
 
@@ -286,6 +286,12 @@ struct LaneOffsets {
 template <bool kFp8, bool kBoxed>
 constexpr int kKeyRowBytes = kBoxed ? 128 : cache_row_bytes(kFp8);
 
+// The 16-byte piece (swizzled) of a bf16 row g mod 8 that k-steps j and j + 4 read in lane quad
+// position c, and the lane's 8 bytes in it: its offset within the row.
+__device__ __forceinline__ int row_piece_offset(int g, int c, int j) {
+  return ((2 * j + (c >> 1)) ^ swz_bf16(g)) * 16 + (c & 1) * 8;
+}
+
 template <bool kFp8, bool kBoxed = false>
 __device__ __forceinline__ LaneOffsets lane_offsets(int tile) {
   static_assert(kFp8 || !kBoxed, "boxed chunks hold e4m3 rows");
@@ -294,9 +300,9 @@ __device__ __forceinline__ LaneOffsets lane_offsets(int tile) {
   LaneOffsets o;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const int piece = (2 * j + (c >> 1)) ^ swz_bf16(g);
-    o.q[j] = (tile * 16 + g) * 256 + piece * 16 + (c & 1) * 8;
-    if constexpr (!kFp8) o.k[j] = g * kRow + piece * 16 + (c & 1) * 8;
+    const int at = row_piece_offset(g, c, j);
+    o.q[j] = (tile * 16 + g) * 256 + at;
+    if constexpr (!kFp8) o.k[j] = g * kRow + at;
   }
   if constexpr (kFp8) {
 #pragma unroll
@@ -351,8 +357,34 @@ struct TileState {
   float m[2], l[2];  // rows g, g + 8: running max (log2 units) and this lane's partial sum
 };
 
+// The 16-row query tile at q_s (rows of 256 bytes, the bf16 swizzle; bf16, or f16 for e4m3 pages)
+// rewritten in place as MMA A fragments: k-step ks of lane l at (ks * 32 + l) * 16, the four
+// registers tile_keys16 otherwise assembles from two 8-byte loads (lane_offsets' q of tile 0) —
+// the same values, one 16-byte load a k-step and no register moves. Every thread of the CTA calls
+// it.
+template <int kThreads>
+__device__ __forceinline__ void q_to_fragments(char* q_s) {
+  constexpr int kPerWarp = 8 / (kThreads / 32);
+  static_assert(kPerWarp * (kThreads / 32) == 8, "8 k-steps over the warps");
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, c = lane % 4;
+  uint4 f[kPerWarp];
+#pragma unroll
+  for (int i = 0; i < kPerWarp; ++i) {
+    const int ks = warp * kPerWarp + i, j = ks & 3, hi128 = (ks >> 2) * 128;
+    const int at = g * 256 + row_piece_offset(g, c, j) + hi128;  // lane_offsets' q[j] of tile 0
+    const uint2 qa = lds64(q_s + at), qb = lds64(q_s + at + 8 * 256);
+    f[i] = make_uint4(qa.x, qb.x, qa.y, qb.y);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kPerWarp; ++i)
+    *reinterpret_cast<uint4*>(q_s + ((warp * kPerWarp + i) * 32 + lane) * 16) = f[i];
+  __syncthreads();
+}
+
 // row_scale: e4m3, the scale of the thread's rows g, g + 8 (scale_log2 times the rows' Q factors).
-template <bool kFp8, bool kBoxed = false>
+// kQFrag: q_s holds the tile as A fragments (q_to_fragments), one 16-byte load a k-step.
+template <bool kFp8, bool kBoxed = false, bool kQFrag = false>
 __device__ __forceinline__ void tile_keys16(TileState& st, const char* q_s, const char* keys, const LaneOffsets& off,
                                             int key0, const int (&lo)[2], const int (&hi)[2], float scale_log2,
                                             float2 row_scale) {
@@ -362,21 +394,24 @@ __device__ __forceinline__ void tile_keys16(TileState& st, const char* q_s, cons
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks) {
     const int j = ks & 3, hi128 = (ks >> 2) * 128;
-    const uint2 qa = lds64(q_s + off.q[j] + hi128);
-    const uint2 qb = lds64(q_s + off.q[j] + hi128 + 8 * 256);
+    uint4 qf;  // the k-step's A fragment in register order
+    if constexpr (kQFrag) {
+      qf = lds128(q_s + (ks * 32 + int(threadIdx.x) % 32) * 16);
+    } else {
+      const uint2 qa = lds64(q_s + off.q[j] + hi128), qb = lds64(q_s + off.q[j] + hi128 + 8 * 256);
+      qf = make_uint4(qa.x, qb.x, qa.y, qb.y);
+    }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       uint32_t b0, b1;
       if constexpr (kFp8) {
-        const uint32_t w = lds32(keys + off.k[ks] + nt * 8 * kRow);
-        b0 = e4m3x2_to_f16x2(w);
-        b1 = e4m3x2_to_f16x2(w >> 16);
+        e4m3x4_to_f16x2x2(lds32(keys + off.k[ks] + nt * 8 * kRow), b0, b1);
       } else {
         const uint2 w = lds64(keys + off.k[j] + hi128 + nt * 8 * kRow);
         b0 = w.x;
         b1 = w.y;
       }
-      mma_16816<kFp8>(s[nt], qa.x, qb.x, qa.y, qb.y, b0, b1);
+      mma_16816<kFp8>(s[nt], qf.x, qf.y, qf.z, qf.w, b0, b1);
     }
   }
   // Mask and online softmax (base 2). A masked key is -inf; a NaN score never becomes the max
@@ -427,14 +462,21 @@ __device__ __forceinline__ void tile_keys16(TileState& st, const char* q_s, cons
     uint4 v[4];  // dims 16g..16g+15 of key rows 2c, 2c+1, 2c+8, 2c+9, e4m3
 #pragma unroll
     for (int i = 0; i < 4; ++i) v[i] = lds128(keys + off.v[i & 1] + (i >> 1) * 8 * kRow);
+    // n-tiles j and j + 1 (dims 16g + j, 16g + j + 1): one byte permute gathers both pairs of
+    // key rows (bytes j % 4 and j % 4 + 1 of rows 2c and 2c + 1, resp. 2c + 8 and 2c + 9).
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const uint32_t sel = uint32_t(j & 3) | (uint32_t(4 + (j & 3)) << 4);
+    for (int j = 0; j < 16; j += 2) {
+      const uint32_t sel = uint32_t(j & 3) | (uint32_t(4 + (j & 3)) << 4) | (uint32_t((j & 3) + 1) << 8) |
+                           (uint32_t(5 + (j & 3)) << 12);
       const uint32_t w0 = (&v[0].x)[j >> 2], w1 = (&v[1].x)[j >> 2], w2 = (&v[2].x)[j >> 2], w3 = (&v[3].x)[j >> 2];
-      const uint32_t b0 = e4m3x2_to_f16x2(__byte_perm(w0, w1, sel));
-      const uint32_t b1 = e4m3x2_to_f16x2(__byte_perm(w2, w3, sel));
-      mma_16816<true>(st.o[j], a[0], a[1], a[2], a[3], b0, b1);
-      mma_16816<true>(st.o[j], r[0], r[1], r[2], r[3], b0, b1);
+      uint32_t b0[2], b1[2];
+      e4m3x4_to_f16x2x2(__byte_perm(w0, w1, sel), b0[0], b0[1]);
+      e4m3x4_to_f16x2x2(__byte_perm(w2, w3, sel), b1[0], b1[1]);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        mma_16816<true>(st.o[j + e], a[0], a[1], a[2], a[3], b0[e], b1[e]);
+        mma_16816<true>(st.o[j + e], r[0], r[1], r[2], r[3], b0[e], b1[e]);
+      }
     }
   } else {
     uint4 v[4][2];  // dims 16g..16g+15 of key rows 2c, 2c+1, 2c+8, 2c+9, bf16
@@ -641,10 +683,7 @@ __device__ __forceinline__ void wg_convert_e4m3(const char* raw, char* image, in
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
     uint32_t h[8];  // dims 16 (pc % 8) .. + 15 of K (pc < 8) or V, as f16 pairs
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      h[2 * e] = e4m3x2_to_f16x2(w[e] & 0xffffu);
-      h[2 * e + 1] = e4m3x2_to_f16x2(w[e] >> 16);
-    }
+    for (int e = 0; e < 4; ++e) e4m3x4_to_f16x2x2(w[e], h[2 * e], h[2 * e + 1]);
     if (kBoxes && pc >= 8 && r >= valid)
 #pragma unroll
       for (int e = 0; e < 8; ++e) h[e] = 0u;
@@ -2036,16 +2075,17 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
   };
   for (int i = 0; i < stages - 1; ++i) issue(c_begin + i, i);
   float2 row_scale = make_float2(scale_log2, scale_log2);
+  if constexpr (kTma) cp_async_wait<0>();  // the queries (the only cp.async group)
+  else cp_async_wait_dyn(stages - 1);      // the queries (the oldest group)
+  __syncthreads();
   if constexpr (kFp8) {
     float* q_factor = reinterpret_cast<float*>(smem + L.qf_off);
-    if constexpr (kTma) cp_async_wait<0>();  // the queries (the only cp.async group)
-    else cp_async_wait_dyn(stages - 1);      // the queries (the oldest group)
-    __syncthreads();
     q_rows_to_f16<kD1Threads>(q_s, q_factor, G);
     __syncthreads();
     row_scale.x = scale_log2 * (g < G ? q_factor[g] : 1.f);
     row_scale.y = scale_log2 * (g + 8 < G ? q_factor[g + 8] : 1.f);
   }
+  q_to_fragments<kD1Threads>(q_s);  // the loop's queries as A fragments (tile_keys16's kQFrag)
   TileState st;
 #pragma unroll
   for (int j = 0; j < 16; ++j)
@@ -2081,7 +2121,7 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
 #endif
       }
       const int rlo[2] = {clo, clo}, rhi[2] = {chi, chi};
-      tile_keys16<kFp8, kTma>(st, q_s, stage + key0 * kKeyRowBytes<kFp8, kTma>, off, key0, rlo, rhi, scale_log2,
+      tile_keys16<kFp8, kTma, true>(st, q_s, stage + key0 * kKeyRowBytes<kFp8, kTma>, off, key0, rlo, rhi, scale_log2,
                               row_scale);
     }
     __syncthreads();  // the stage is refilled next iteration

@@ -2121,8 +2121,8 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
 #endif
       }
       const int rlo[2] = {clo, clo}, rhi[2] = {chi, chi};
-      tile_keys16<kFp8, kTma, true>(st, q_s, stage + key0 * kKeyRowBytes<kFp8, kTma>, off, key0, rlo, rhi, scale_log2,
-                              row_scale);
+      tile_keys16<kFp8, kTma, true>(st, q_s, stage + key0 * kKeyRowBytes<kFp8, kTma>, off, key0, rlo, rhi,
+                                    scale_log2, row_scale);
     }
     __syncthreads();  // the stage is refilled next iteration
     if (++slot == stages) {

@@ -61,6 +61,7 @@
 #include <initializer_list>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/cuda_check.h"
@@ -418,17 +419,25 @@ __device__ __forceinline__ void tile_keys16(TileState& st, const char* q_s, cons
   // (fmaxf) and turns its row NaN through its weight.
   // bf16: the scale is > 0 (validated), so the max is taken before scaling and the scale folds
   // into the exponent's FMA (as the wgmma loop); e4m3 (per-row scales) scales first.
+  // Steps whose 16 keys every row of the lane sees (every full chunk's; in dql-1 decode a
+  // warp-uniform test) skip the per-key mask (a compare and a select a score).
   float mx[2] = {-INFINITY, -INFINITY};
+  auto scale_mask = [&](auto masked) {
 #pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
+    for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int rs = e >> 1, key = key0 + nt * 8 + 2 * c + (e & 1);
-      const bool vis = unsigned(key - lo[rs]) < unsigned(hi[rs] - lo[rs]);
-      if constexpr (kFp8) s[nt][e] *= rs ? row_scale.y : row_scale.x;
-      s[nt][e] = vis ? s[nt][e] : -INFINITY;
-      mx[rs] = fmaxf(mx[rs], s[nt][e]);
-    }
+      for (int e = 0; e < 4; ++e) {
+        const int rs = e >> 1, key = key0 + nt * 8 + 2 * c + (e & 1);
+        if constexpr (kFp8) s[nt][e] *= rs ? row_scale.y : row_scale.x;
+        if constexpr (decltype(masked)::value) {
+          const bool vis = unsigned(key - lo[rs]) < unsigned(hi[rs] - lo[rs]);
+          s[nt][e] = vis ? s[nt][e] : -INFINITY;
+        }
+        mx[rs] = fmaxf(mx[rs], s[nt][e]);
+      }
+  };
+  if (lo[0] <= key0 && hi[0] >= key0 + 16 && lo[1] <= key0 && hi[1] >= key0 + 16) scale_mask(std::false_type{});
+  else scale_mask(std::true_type{});
   const float sc = kFp8 ? 1.f : scale_log2;
   float alpha[2], m_sub[2];
   advance_max(st.m, mx, sc, alpha, m_sub);
@@ -2411,22 +2420,32 @@ bool use_decode1(int decode_query_len) {
   return !switched_off("M3RT_MSA_DECODE1");
 }
 
-// CTAs an SM msa_decode1_kernel's launches plan for: e4m3 four; bf16 two, or three for grids that
-// fit one wave of three but not of two.
+// CTAs an SM the mixed grid's plan (msa_decode_mixed) counts on: e4m3 four; bf16 two, or three for
+// grids that fit one wave of three but not of two.
 int d1_ctas_per_sm(bool fp8, int64_t ctas) {
   if (fp8) return 4;
   const int64_t sms = detail::multiprocessor_count();
   return ctas > 2 * sms && ctas <= 3 * sms ? 3 : 2;
 }
 
+// Whether a bf16 dql-1 grid of `ctas` CTAs (pairs in `splits` splits or pieces) takes as many
+// stages as fit a half SM (3 on an H200; two CTAs an SM) instead of two (three CTAs an SM fit): a
+// grid of more than three CTAs an SM, which two-stage CTAs would run as 1.3 waves (batch 128, 512
+// CTAs: 148.9 vs 131.4 us), and an unsplit grid of at most one CTA an SM, whose lone CTA streams a
+// whole pair (batch 32, 128 CTAs: 38.56 vs 37.96). Elsewhere two stages ran as fast or faster (H200,
+// 32K, session 29, same call, two runs each: batch 1 1.012x, 8 (192 CTAs) 1.025x, 48 (mixed grid)
+// 1.010x, 64 (256) 1.007x; session 16 had measured batch 64 69.0 vs 70.2 us and left it at three).
+bool d1_bf16_three_stages(int64_t ctas, int splits) {
+  const int64_t sms = detail::multiprocessor_count();
+  return ctas > 3 * sms || (ctas <= sms && splits == 1);
+}
+
 // msa_decode1_kernel's instance and shared memory for a grid of `ctas` CTAs: e4m3 two 64-key stages
 // (four CTAs an SM: fewer bytes queued in a saturated memory system; 2 stages ran every batch
 // 1..128 as fast or faster than 3, H200, session 16); bf16 as many as fit a half SM (3 on an H200,
-// at most 8), or two (three CTAs an SM) where d1_ctas_per_sm says three. bf16 at 2 stages x 3 CTAs
-// against 3 x 2 (H200, session 16, one split): batch 80 (320 CTAs) 88.8 vs 108.8 us, 96 99.2 vs
-// 115.1; batch 64 (256 CTAs, one wave either way) 69.0 vs 70.2, left at two; 128 (1.3 waves at
-// three) 151.3 vs 132.1; 32 39.7 vs 39.2 — three CTAs an SM pay where they remove a partial
-// second wave.
+// at most 8) where d1_bf16_three_stages says so, two otherwise. bf16 at 2 stages x 3 CTAs against
+// 3 x 2 (H200, session 16, one split): batch 80 (320 CTAs) 88.8 vs 108.8 us, 96 99.2 vs 115.1 —
+// three CTAs an SM pay where they remove a partial second wave.
 // Whether an e4m3 dql-1 decode grid of `ctas` CTAs, each pair in `splits` splits or pieces, takes
 // the copy-engine form (kTma). By default (M3RT_MSA_D1_TMA unset or 1): split grids of up to 3 CTAs
 // an SM, unsplit ones of up to 2, and at most kD1TmaMaxSplits splits; =2 for every e4m3 grid
@@ -2450,14 +2469,15 @@ bool d1_use_tma(bool fp8, int64_t ctas, int splits) {
 }
 
 // tma: the kTma instances (e4m3; chunks by the copy engine; 1024 bytes more shared memory).
-KernelConfig decode1_config(bool fp8, int64_t ctas, bool mixed, bool tma) {
+// splits: the pairs' splits (the mixed grid's pieces).
+KernelConfig decode1_config(bool fp8, int64_t ctas, bool mixed, bool tma, int splits) {
   const detail::DeviceLimits dl = detail::device_limits();
   const int per_sm = dl.smem_per_sm, optin = dl.smem_optin;
   const D1Layout base = d1_layout(fp8, 0);
   const int fixed = base.total - base.q_off;
   const int most = std::min(8, (optin - fixed) / base.stage_bytes);  // 2 fit any sm_80+ GPU
   const int fit = std::clamp((per_sm / 2 - 1024 - fixed) / base.stage_bytes, 2, most);
-  int stages = fp8 || d1_ctas_per_sm(fp8, ctas) == 3 ? 2 : fit;
+  int stages = fp8 || !d1_bf16_three_stages(ctas, splits) ? 2 : fit;
   stages = std::clamp(env_int("M3RT_MSA_D1_STAGES", stages), 2, most);  // tuning knob for benches
   KernelConfig cfg{};
   if (tma) {
@@ -2585,7 +2605,7 @@ bool msa_decode1_read_floor_launch(const MsaParams& p, unsigned* sink, CUstream_
     return false;
   const int splits = std::max(1, p.num_splits);
   const int64_t ctas = p.num_seqs * int64_t(p.num_kv_heads) * splits;
-  const int stages = std::min(8, decode1_config(p.fp8, ctas, false, false).stages);
+  const int stages = std::min(8, decode1_config(p.fp8, ctas, false, false, splits).stages);
   const int smem = stages * d1_layout(p.fp8, 0).stage_bytes;
   auto fn = p.fp8 ? msa_decode1_read_floor_kernel<true> : msa_decode1_read_floor_kernel<false>;
   detail::raise_smem_limit(reinterpret_cast<const void*>(fn), smem);
@@ -2616,7 +2636,7 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   // benchmarks); so does e4m3 dql-1 decode where d1_use_tma says.
   const bool tma = d1 ? d1_use_tma(p.fp8, ctas, splits) && encode_cache_map(call)
                       : use_wgmma(msa_group_rows(G, tg)) && !switched_off("M3RT_MSA_WG_TMA") && encode_cache_map(call);
-  KernelConfig cfg = d1 ? decode1_config(p.fp8, ctas, mixed, tma)
+  KernelConfig cfg = d1 ? decode1_config(p.fp8, ctas, mixed, tma, splits)
                         : kernel_config(p.fp8, tg, G, p.topk_k, p.max_blocks, ctas, tma, p.p16);
   const dim3 grid = mixed ? dim3(unsigned(ctas)) : dim3(unsigned(groups), unsigned(p.num_kv_heads), unsigned(splits));
   // Split decode on Hopper: each group's splits form one cluster and merge through DSMEM (not the
@@ -2640,7 +2660,9 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   // 1.04x / 1.02x, and without the trigger every row ran as without PDL (H200, c8ea3ab, bd77f90).
   // The general kernel never triggers (its grid ends at its exit, as without PDL).
   if (pdl && d1) {
-    const int64_t sms = detail::multiprocessor_count(), slots = sms * d1_ctas_per_sm(p.fp8, ctas);
+    // The CTAs an SM holds: e4m3 four; bf16 two at three stages, three at two.
+    const int per_sm = p.fp8 ? 4 : d1_bf16_three_stages(ctas, splits) ? 2 : 3;
+    const int64_t sms = detail::multiprocessor_count(), slots = sms * per_sm;
     call.pdl_trigger = 2 * ctas <= sms || 20 * ctas >= 19 * slots;
   }
   if (cluster || pdl) {

@@ -2660,8 +2660,8 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   // 1.04x / 1.02x, and without the trigger every row ran as without PDL (H200, c8ea3ab, bd77f90).
   // The general kernel never triggers (its grid ends at its exit, as without PDL).
   if (pdl && d1) {
-    // The CTAs an SM holds: e4m3 four; bf16 two at three stages, three at two.
-    const int per_sm = p.fp8 ? 4 : d1_bf16_three_stages(ctas, splits) ? 2 : 3;
+    // The CTAs an SM holds (decode1_config's stages): e4m3 four; bf16 three at two stages, else two.
+    const int per_sm = p.fp8 ? 4 : cfg.stages == 2 ? 3 : 2;
     const int64_t sms = detail::multiprocessor_count(), slots = sms * per_sm;
     call.pdl_trigger = 2 * ctas <= sms || 20 * ctas >= 19 * slots;
   }

@@ -570,6 +570,15 @@ __device__ __forceinline__ int fin_index(int row, int col) {
   return row * 128 + (col ^ ((row & 7) | (((col >> 5) & 3) << 3)));
 }
 
+// The dql-1 decode's key-part planes (d1_share): row `row`'s float4 of columns 4 q.. (q < 32) at this
+// float offset. A lane holding columns 32 c.. of a row writes its eight float4 with the 16-byte
+// slot k ^ ((2 c + row) & 7), so the eight lanes of a quarter warp (rows of both parities, c 0..3)
+// hit eight different bank quads, as do eight consecutive q of one row read back.
+__device__ __forceinline__ int d1_plane_at(int row, int q) {
+  const int c = q >> 3;
+  return row * 128 + 32 * c + 4 * ((q & 7) ^ ((2 * c + row) & 7));
+}
+
 #if __CUDA_ARCH__ >= 900
 // The split merge of a cluster (split decode on Hopper): CTA `split` merges rows [split * rows / S,
 // (split + 1) * rows / S) reading every split's (m, l) and weighted output plane (plane 0 of `fin`)
@@ -591,7 +600,8 @@ struct ClusterMergeArgs {
   float v_scale;
 };
 
-template <int kThreads>
+// kD1Planes: `fin` in d1_plane_at's layout (the dql-1 decode) instead of fin_index's.
+template <int kThreads, bool kD1Planes = false>
 __device__ __forceinline__ void cluster_merge(const ClusterMergeArgs& a) {
   namespace cg = cooperative_groups;
   cg::cluster_group cl = cg::this_cluster();
@@ -614,7 +624,8 @@ __device__ __forceinline__ void cluster_merge(const ClusterMergeArgs& a) {
     const int row = r0 + it / 32, c4 = (it % 32) * 4;
     // fin_index keeps an aligned group of 4 columns together, permuted by the low 2 bits of its
     // XOR: column c4 + e sits at element e ^ (x & 3) of the float4.
-    const int x = (row & 7) | (((c4 >> 5) & 3) << 3), at = row * 128 + ((c4 ^ x) & ~3), sw = x & 3;
+    const int x = (row & 7) | (((c4 >> 5) & 3) << 3);
+    const int at = kD1Planes ? d1_plane_at(row, c4 >> 2) : row * 128 + ((c4 ^ x) & ~3), sw = kD1Planes ? 0 : x & 3;
     float4 v[kMaxSplits];
 #pragma unroll
     for (int s = 0; s < kMaxSplits; ++s)
@@ -2144,8 +2155,10 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
   // The next PDL grid may launch once every CTA is here (or done).
   if (trigger) kernels::launch_dependents();
 
-  // Merge the key parts (as the general kernel): per row, each part's max and weight, then the
-  // parts' weighted rows in their own planes, summed in part order.
+  // Merge the key parts (the general kernel's arithmetic, in part order): each lane merges its two
+  // rows' (m, l) over the parts itself, writes its weighted rows into its part's plane (float4s,
+  // d1_plane_at), and the planes are summed float4 by float4 straight into the output (one split)
+  // or back into plane 0 (the split merge's input): two CTA barriers.
   float* fin = reinterpret_cast<float*>(area);
   constexpr int kPlane = kD1Rows * 128;
 #pragma unroll
@@ -2156,56 +2169,74 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
     if (lane % 4 == 0) part_ml[warp * kD1Rows + g + rs * 8] = make_float2(st.m[rs], l);
   }
   __syncthreads();
-  if (tid < kD1Rows) {
-    float m = -INFINITY;
-    for (int k = 0; k < kD1Parts; ++k) m = fmaxf(m, part_ml[k * kD1Rows + tid].x);
-    float l = 0.f;
-    for (int k = 0; k < kD1Parts; ++k) {
-      const float2 v = part_ml[k * kD1Rows + tid];
-      l += v.x == -INFINITY ? 0.f : v.y * exp2f(v.x - m);
-    }
-    row_ml[tid] = make_float2(m, l);
-  }
-  __syncthreads();
+  const int c = lane % 4;
 #pragma unroll
   for (int rs = 0; rs < 2; ++rs) {
     const int row = g + rs * 8;
-    const float w = st.m[rs] == -INFINITY ? 0.f : exp2f(st.m[rs] - row_ml[row].x);
+    float m = -INFINITY;
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
+    for (int k = 0; k < kD1Parts; ++k) m = fmaxf(m, part_ml[k * kD1Rows + row].x);
+    float l = 0.f;
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh)
-        fin[warp * kPlane + fin_index(row, 32 * (lane % 4) + 16 * hh + j)] = st.o[j][rs * 2 + hh] * w;
-  }
-  __syncthreads();
-  for (int i = tid; i < kPlane; i += kD1Threads) {
-    float v = fin[i];
-    for (int k = 1; k < kD1Parts; ++k) v += fin[k * kPlane + i];
-    fin[i] = v;
-  }
-  __syncthreads();
-  auto write_row = [&](int row, float m, float l, auto&& value) {
-    store_row(p, t, kv_head * G + row, m, l, v_scale, value);
-  };
-  if (splits == 1) {
-    for (int row = warp; row < G; row += kD1Parts) {
-      const float2 ml = row_ml[row];
-      write_row(row, ml.x, ml.y, [&](int col) { return fin[fin_index(row, col)]; });
+    for (int k = 0; k < kD1Parts; ++k) {
+      const float2 v = part_ml[k * kD1Rows + row];
+      l += v.x == -INFINITY ? 0.f : v.y * exp2f(v.x - m);
     }
-    return;
+    if (warp == 0 && c == 0) row_ml[row] = make_float2(m, l);
+    const float w = st.m[rs] == -INFINITY ? 0.f : exp2f(st.m[rs] - m);
+    // Lane c holds columns 32 c + 16 hh + j of the row in o[j][2 rs + hh].
+    float* plane = fin + warp * kPlane;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int hh = k >> 2, j = 4 * (k & 3);
+      *reinterpret_cast<float4*>(plane + d1_plane_at(row, 8 * c + k)) =
+          make_float4(st.o[j][2 * rs + hh] * w, st.o[j + 1][2 * rs + hh] * w, st.o[j + 2][2 * rs + hh] * w,
+                      st.o[j + 3][2 * rs + hh] * w);
+    }
   }
+  __syncthreads();
+  for (int it = tid; it < G * 32; it += kD1Threads) {
+    const int row = it / 32, q = it % 32, at = d1_plane_at(row, q);
+    float4 v = *reinterpret_cast<const float4*>(fin + at);
+#pragma unroll
+    for (int k = 1; k < kD1Parts; ++k) {
+      const float4 u = *reinterpret_cast<const float4*>(fin + k * kPlane + at);
+      v.x += u.x;
+      v.y += u.y;
+      v.z += u.z;
+      v.w += u.w;
+    }
+    if (splits == 1) {  // bf16 of v * v_scale / l (0 for a row without keys; NaN stays NaN), its LSE
+      const float2 ml = row_ml[row];
+      const float inv = ml.y == 0.f ? 0.f : v_scale / ml.y;
+      const __nv_bfloat162 lo2 = __floats2bfloat162_rn(ml.y == 0.f ? 0.f : v.x * inv, ml.y == 0.f ? 0.f : v.y * inv);
+      const __nv_bfloat162 hi2 = __floats2bfloat162_rn(ml.y == 0.f ? 0.f : v.z * inv, ml.y == 0.f ? 0.f : v.w * inv);
+      *reinterpret_cast<uint2*>(p.out + t * p.out_stride_t + int64_t(kv_head * G + row) * p.out_stride_h + 4 * q) =
+          make_uint2(*reinterpret_cast<const uint32_t*>(&lo2), *reinterpret_cast<const uint32_t*>(&hi2));
+      if (p.lse && q == 0)
+        p.lse[t * p.lse_stride_t + kv_head * G + row] = ml.y == 0.f ? -INFINITY : (ml.x + log2f(ml.y)) * kLn2;
+    } else {
+      *reinterpret_cast<float4*>(fin + at) = v;  // the thread's own float4 of plane 0
+    }
+  }
+  if (splits == 1) return;
 #if __CUDA_ARCH__ >= 900
   if constexpr (kCluster) {
     ClusterMergeArgs m{.row_ml = row_ml, .merged = merged, .fin = fin, .split_w = split_w, .out = p.out,
                        .out_stride_t = p.out_stride_t, .out_stride_h = p.out_stride_h, .lse = p.lse,
                        .lse_stride_t = p.lse_stride_t, .tok0 = t, .rows = G, .rows_cap = kD1Rows,
                        .splits = splits, .split = split, .G = G, .head0 = kv_head * G, .v_scale = v_scale};
-    cluster_merge<kD1Threads>(m);
+    cluster_merge<kD1Threads, true>(m);  // its first cluster barrier orders plane 0's writes
     return;
   }
 #endif
+  __syncthreads();  // plane 0 whole before global_split_merge reads it
+  auto write_row = [&](int row, float m, float l, auto&& value) {
+    store_row(p, t, kv_head * G + row, m, l, v_scale, value);
+  };
   global_split_merge<kD1Threads>(p, t * p.num_kv_heads + kv_head, slot_stride, split, splits, G, kD1Rows, row_ml,
-                                 split_w, fin, misc + 1, [&](int row, int col) { return fin[fin_index(row, col)]; },
+                                 split_w, fin, misc + 1,
+                                 [&](int row, int col) { return fin[d1_plane_at(row, col / 4) + col % 4]; },
                                  write_row);
 }
 

@@ -1909,8 +1909,8 @@ __global__ void __launch_bounds__(kWarps * 32 + (kWs ? 128 : 0), kWs ? 1 : 8 / k
 // 29.6-30.0 / 91.4-91.5 built beside it (batch 128: 512 CTAs, one wave in 528 slots instead of
 // 1.3 in 396), and in another call 2 x 4 28.7 / 75.8 against 3 x 4 29.1 / 76.9.
 constexpr int kD1Threads = 128, kD1Rows = 16, kD1Parts = kD1Threads / 32;
-// The register cap: three CTAs an SM (168) for bf16, 128 (four) for e4m3 (no spills in the plain
-// instance, 8 bytes in the cluster one's merge). Stages and CTAs an SM: decode1_config.
+// The register cap: three CTAs an SM (168) for bf16, 128 (four) for e4m3 (no spills but 8 bytes in
+// the mixed instances, outside the loop). Stages and CTAs an SM: decode1_config.
 __host__ __device__ constexpr int d1_register_ctas(bool fp8) { return fp8 ? 4 : 3; }
 
 struct D1Layout {

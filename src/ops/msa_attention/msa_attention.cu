@@ -570,6 +570,17 @@ __device__ __forceinline__ int fin_index(int row, int col) {
   return row * 128 + (col ^ ((row & 7) | (((col >> 5) & 3) << 3)));
 }
 
+// A row's output factor and LSE (natural log) from its merged (m, l), m in log2 units: a row
+// without keys (l == 0) writes 0 and LSE -inf.
+__device__ __forceinline__ float row_out_scale(float l, float v_scale) { return l == 0.f ? 0.f : v_scale / l; }
+__device__ __forceinline__ float row_lse(float m, float l) { return l == 0.f ? -INFINITY : (m + log2f(l)) * kLn2; }
+
+// Four floats as bf16 (round to nearest), packed for one 8-byte store.
+__device__ __forceinline__ uint2 bf16x4(float x0, float x1, float x2, float x3) {
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(x0, x1), hi = __floats2bfloat162_rn(x2, x3);
+  return make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+}
+
 // The dql-1 decode's key-part planes (d1_share): row `row`'s float4 of columns 4 q.. (q < 32) at this
 // float offset. A lane holding columns 32 c.. of a row writes its eight float4 with the 16-byte
 // slot k ^ ((2 c + row) & 7), so the eight lanes of a quarter warp (rows of both parities, c 0..3)
@@ -644,7 +655,7 @@ __device__ __forceinline__ void cluster_merge(const ClusterMergeArgs& a) {
     const float2 ml = a.merged[row];
     const int64_t t = a.tok0 + row / a.G;
     const int h = a.head0 + row % a.G;
-    const float inv = ml.y == 0.f ? 0.f : a.v_scale / ml.y;  // a row without keys writes 0
+    const float inv = row_out_scale(ml.y, a.v_scale);  // a row without keys writes 0
     float o[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {  // selects, not an index: acc stays in registers
@@ -652,12 +663,9 @@ __device__ __forceinline__ void cluster_merge(const ClusterMergeArgs& a) {
       const float val = j == 0 ? acc[0] : j == 1 ? acc[1] : j == 2 ? acc[2] : acc[3];
       o[e] = ml.y == 0.f ? 0.f : val * inv;
     }
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(o[0], o[1]), hi = __floats2bfloat162_rn(o[2], o[3]);
-    uint2 packed;
-    packed.x = *reinterpret_cast<const uint32_t*>(&lo);
-    packed.y = *reinterpret_cast<const uint32_t*>(&hi);
-    *reinterpret_cast<uint2*>(a.out + t * a.out_stride_t + int64_t(h) * a.out_stride_h + c4) = packed;
-    if (a.lse && c4 == 0) a.lse[t * a.lse_stride_t + h] = ml.y == 0.f ? -INFINITY : (ml.x + log2f(ml.y)) * kLn2;
+    *reinterpret_cast<uint2*>(a.out + t * a.out_stride_t + int64_t(h) * a.out_stride_h + c4) =
+        bf16x4(o[0], o[1], o[2], o[3]);
+    if (a.lse && c4 == 0) a.lse[t * a.lse_stride_t + h] = row_lse(ml.x, ml.y);
   }
   cl.sync();  // every CTA's planes stay alive until all have read them
 }
@@ -1413,13 +1421,13 @@ template <class Value>
 __device__ __forceinline__ void store_row(const MsaParams& p, int64_t t, int h, float m, float l, float v_scale,
                                           Value&& value) {
   const int lane = threadIdx.x % 32;
-  const float inv = l == 0.f ? 0.f : v_scale / l;
+  const float inv = row_out_scale(l, v_scale);
   uint16_t* out = p.out + t * p.out_stride_t + int64_t(h) * p.out_stride_h;
   for (int cp = lane; cp < 64; cp += 32) {
     const float x0 = l == 0.f ? 0.f : value(2 * cp) * inv, x1 = l == 0.f ? 0.f : value(2 * cp + 1) * inv;
     *reinterpret_cast<__nv_bfloat162*>(out + 2 * cp) = __floats2bfloat162_rn(x0, x1);
   }
-  if (p.lse && lane == 0) p.lse[t * p.lse_stride_t + h] = l == 0.f ? -INFINITY : (m + log2f(l)) * kLn2;
+  if (p.lse && lane == 0) p.lse[t * p.lse_stride_t + h] = row_lse(m, l);
 }
 
 // kWarps: 4 (two CTAs per SM) for groups of at most 64 rows, else 8 (one 16-row tile per warp).
@@ -1785,13 +1793,13 @@ __global__ void __launch_bounds__(kWarps * 32 + (kWs ? 128 : 0), kWs ? 1 : 8 / k
   auto write_row = [&](int row, float m, float l, auto&& value) {
     const int64_t t = gr.tok0 + row / G;
     const int h = kv_head * G + row % G;
-    const float inv = l == 0.f ? 0.f : v_scale / l;  // a row without keys writes 0; NaN stays NaN
+    const float inv = row_out_scale(l, v_scale);  // a row without keys writes 0; NaN stays NaN
     uint16_t* out = p.out + t * p.out_stride_t + int64_t(h) * p.out_stride_h;
     for (int cp = lane; cp < 64; cp += 32) {
       const float x0 = l == 0.f ? 0.f : value(2 * cp) * inv, x1 = l == 0.f ? 0.f : value(2 * cp + 1) * inv;
       *reinterpret_cast<__nv_bfloat162*>(out + 2 * cp) = __floats2bfloat162_rn(x0, x1);
     }
-    if (p.lse && lane == 0) p.lse[t * p.lse_stride_t + h] = l == 0.f ? -INFINITY : (m + log2f(l)) * kLn2;
+    if (p.lse && lane == 0) p.lse[t * p.lse_stride_t + h] = row_lse(m, l);
   };
   if (splits == 1) {
     for (int row = warp; row < rows; row += kWarps) {
@@ -2208,13 +2216,12 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
     }
     if (splits == 1) {  // bf16 of v * v_scale / l (0 for a row without keys; NaN stays NaN), its LSE
       const float2 ml = row_ml[row];
-      const float inv = ml.y == 0.f ? 0.f : v_scale / ml.y;
-      const __nv_bfloat162 lo2 = __floats2bfloat162_rn(ml.y == 0.f ? 0.f : v.x * inv, ml.y == 0.f ? 0.f : v.y * inv);
-      const __nv_bfloat162 hi2 = __floats2bfloat162_rn(ml.y == 0.f ? 0.f : v.z * inv, ml.y == 0.f ? 0.f : v.w * inv);
+      const float inv = row_out_scale(ml.y, v_scale);
+      const bool none = ml.y == 0.f;
       *reinterpret_cast<uint2*>(p.out + t * p.out_stride_t + int64_t(kv_head * G + row) * p.out_stride_h + 4 * q) =
-          make_uint2(*reinterpret_cast<const uint32_t*>(&lo2), *reinterpret_cast<const uint32_t*>(&hi2));
+          bf16x4(none ? 0.f : v.x * inv, none ? 0.f : v.y * inv, none ? 0.f : v.z * inv, none ? 0.f : v.w * inv);
       if (p.lse && q == 0)
-        p.lse[t * p.lse_stride_t + kv_head * G + row] = ml.y == 0.f ? -INFINITY : (ml.x + log2f(ml.y)) * kLn2;
+        p.lse[t * p.lse_stride_t + kv_head * G + row] = row_lse(ml.x, ml.y);
     } else {
       *reinterpret_cast<float4*>(fin + at) = v;  // the thread's own float4 of plane 0
     }

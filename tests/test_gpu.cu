@@ -8,7 +8,10 @@
 //   - the indexer's GPU selection on given scores equals the reference's bit for bit (every branch);
 //   - CUDA-graph capture of MSA decode (a plan's run): seq_lens, top-k and block table changed in
 //     place, replays match eager runs bit for bit;
-//   - MSA's two Hopper wgmma loops (copy engine, cp.async) write the same bits;
+//   - MSA's two Hopper wgmma loops (copy engine, cp.async) write the same bits; the dql-1 decode's
+//     two-group CTAs agree with one group's and replay bitwise;
+//   - the MSA kernels' e4m3 -> f16 conversion equals CUDA's on every 32-bit word;
+//   - the QK insert leaves a token whose position lies outside the RoPE table unwritten;
 // One host-only test runs everywhere: the one-wave grid rule of the loop-walking kernels' launchers.
 // The ops' GPU-vs-CPU checks run from test_check.cpp (the `m3rt check` registry).
 #include <cuda_bf16.h>
@@ -179,6 +182,50 @@ TEST(Gpu, Fp8QuantizerEqualsIeeeDivision) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// e4m3x4_to_f16x2x2 (the MSA kernels' e4m3 -> f16 conversion: on sm_89+ the high pair converted
+// from the register's upper half, no shift) equals CUDA's pair conversion of each half on every one
+// of the 2^32 input words (NaN codes: both sides NaN).
+__global__ void e4m3x4_kernel(unsigned long long* mismatches, unsigned* first) {
+  const auto is_nan_half = [](uint32_t h) { return (h & 0x7c00u) == 0x7c00u && (h & 0x03ffu) != 0; };
+  const uint64_t step = uint64_t(gridDim.x) * blockDim.x;
+  for (uint64_t w = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; w < (1ull << 32); w += step) {
+    const uint32_t four = uint32_t(w);
+    uint32_t lo, hi;
+    m3rt::kernels::e4m3x4_to_f16x2x2(four, lo, hi);
+    const uint32_t want[2] = {m3rt::kernels::e4m3x2_to_f16x2(four), m3rt::kernels::e4m3x2_to_f16x2(four >> 16)};
+    const uint32_t got[2] = {lo, hi};
+    bool ok = true;
+    for (int i = 0; i < 2; ++i) {
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t g = (got[i] >> (16 * half)) & 0xffffu, e = (want[i] >> (16 * half)) & 0xffffu;
+        ok = ok && (g == e || (is_nan_half(g) && is_nan_half(e)));
+      }
+    }
+    if (!ok) {
+      atomicAdd(mismatches, 1ull);
+      atomicCAS(first, 0u, four | 1u);  // a marker; the word itself is reported below when it is odd
+    }
+  }
+}
+
+TEST(Gpu, E4m3x4ToF16PairsMatchesPairConversionOnEveryWord) {
+  REQUIRE_GPU();
+  DeviceBuffer<unsigned long long> d_count(1);
+  DeviceBuffer<unsigned> d_first(1);
+  ASSERT_TRUE(d_count && d_first) << "cudaMalloc";
+  CUDA_OK(cudaMemset(d_count.get(), 0, 8));
+  CUDA_OK(cudaMemset(d_first.get(), 0, 4));
+  e4m3x4_kernel<<<132 * 16, 256>>>(d_count.get(), d_first.get());
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(cudaDeviceSynchronize());
+  unsigned long long count = 0;
+  unsigned first = 0;
+  CUDA_OK(cudaMemcpy(&count, d_count.get(), 8, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(&first, d_first.get(), 4, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(count, 0ull) << "first mismatching word (low bit forced to 1): 0x" << std::hex << first;
+}
+
+// ------------------------------------------------------------------------------------------------
 // Copies host data into an existing device tensor (in place: graph captures keep the address).
 // Host -> device, landed when it returns (a pageable cudaMemcpy may return before its DMA ends,
 // and the tests' streams do not wait for the legacy stream).
@@ -327,6 +374,71 @@ TEST_P(GpuGraph, ReplayAfterInPlaceChangesMatchesEagerBitwise) {
 
 INSTANTIATE_TEST_SUITE_P(CacheDtype, GpuGraph, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "fp8" : "bf16"; });
+
+// The QK insert on the GPU does not write a token whose position lies outside the RoPE table (the
+// CPU path throws instead): its qkv row and its cache rows stay as they were, and every other token
+// is written exactly as in a run where all positions are valid. T = 40 runs the half-warp kernel,
+// T = 300 and 900 the quad kernel (1-2 and 3-4 tokens a warp, the staged RoPE rows of its pipeline).
+class GpuQkInsertPositions : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(GpuQkInsertPositions, OutsideTheTableLeavesTheTokenUnwritten) {
+  REQUIRE_GPU();
+  constexpr int nq = 16, nkv = 4, rot = 64, bs = 128;
+  constexpr int64_t max_pos = 4096;
+  const int64_t T = GetParam(), nb = (T + bs - 1) / bs + 2, W = (nq + 2 * nkv) * 128;
+  const Device g = Device::cuda();
+  Rng rng(7);
+  const Tensor qkv_in = detail::random_half({T, W}, DType::kBFloat16, rng, -3, 3);
+  const Tensor qw = detail::random_half({128}, DType::kBFloat16, rng, -1, 1).to(g);
+  const Tensor kw = detail::random_half({128}, DType::kBFloat16, rng, -1, 1).to(g);
+  const Tensor table = detail::rope_table(max_pos, rot).to(g);
+  const std::vector<int64_t> slots = detail::random_slots(T, nb * bs, 0, rng);  // distinct, all valid
+  std::vector<int64_t> pos(static_cast<size_t>(T));
+  for (auto& x : pos) x = rng.integer(0, max_pos - 1);
+  std::vector<int64_t> bad = pos;
+  const int64_t outside[] = {-1, max_pos, int64_t(1) << 40, -(int64_t(1) << 40) + 3};
+  for (int64_t t = 2, i = 0; t < T; t += 5, ++i) bad[size_t(t)] = outside[i % 4];
+  const Tensor slot_t = detail::int64_vector(slots).to(g);
+  auto run = [&](const std::vector<int64_t>& positions, Tensor& qkv, Tensor& cache) {
+    qkv = qkv_in.to(g);
+    cache = Tensor::empty({nb, nkv, bs, 256}, DType::kBFloat16, g);
+    cache.fill_bytes(0xFF);
+    const Tensor p = detail::int64_vector(positions).to(g);
+    settle();
+    qknorm_rope_kv_insert({.qkv = qkv, .q_norm_weight = qw, .k_norm_weight = kw, .cos_sin_cache = table,
+                           .positions = p, .num_heads = nq, .num_kv_heads = nkv, .rotary_dim = rot,
+                           .eps = 1e-6f, .slot_mapping = slot_t, .kv_cache = cache,
+                           .kv_cache_dtype = KvCacheDtype::kAuto}, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+  };
+  Tensor qkv_ok, cache_ok, qkv_bad, cache_bad;
+  run(pos, qkv_ok, cache_ok);
+  run(bad, qkv_bad, cache_bad);
+  const Tensor a = qkv_ok.to(Device::cpu()), b = qkv_bad.to(Device::cpu());
+  Tensor ca = cache_ok.to(Device::cpu());
+  const Tensor cb = cache_bad.to(Device::cpu());
+  int64_t written = 0, skipped = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const bool inside = bad[size_t(t)] == pos[size_t(t)];
+    const uint16_t* want = (inside ? a : qkv_in).ptr<uint16_t>() + t * W;
+    EXPECT_EQ(std::memcmp(b.ptr<uint16_t>() + t * W, want, size_t(W) * 2), 0) << "qkv row of token " << t;
+    EXPECT_NE(std::memcmp(a.ptr<uint16_t>() + t * W, qkv_in.ptr<uint16_t>() + t * W, size_t(W) * 2), 0)
+        << "token " << t << " was not written in the valid run";
+    if (inside) {
+      ++written;
+      continue;
+    }
+    ++skipped;
+    const int64_t blk = slots[size_t(t)] / bs, off = slots[size_t(t)] % bs;  // untouched: 0xFF bytes
+    for (int h = 0; h < nkv; ++h) std::memset(ca.ptr<uint16_t>() + ((blk * nkv + h) * bs + off) * 256, 0xFF, 512);
+  }
+  EXPECT_GT(skipped, 0);
+  EXPECT_GT(written, skipped);
+  EXPECT_EQ(std::memcmp(ca.data(), cb.data(), size_t(ca.nbytes())), 0) << "cache";
+}
+
+INSTANTIATE_TEST_SUITE_P(Tokens, GpuQkInsertPositions, ::testing::Values(int64_t(40), int64_t(300), int64_t(900)),
+                         [](const auto& info) { return "T" + std::to_string(info.param); });
 
 
 // ------------------------------------------------------------------------------------------------
@@ -808,6 +920,59 @@ INSTANTIATE_TEST_SUITE_P(CacheDtype, GpuMsaLoops, ::testing::Bool(),
 // V rows past seq_len zeroed by their warp, and the cp.async form that zero-fills them) write the
 // same bits, with every request's rows past seq_len NaN: batch 3 (16-split clusters), 67 (268
 // (request, KV head) pairs in 2 splits, a cluster each) and 140 (the mixed grid).
+// e4m3 dql 1 with two 4-warp groups a CTA (forced here on an unsplit grid; by default an unsplit
+// copy-engine grid of 3/4 to one pair an SM takes them): within the ops' tolerance of the one-group
+// split grid on the same inputs (only the order of the key parts' sums differs), every row written,
+// and a graph replay equal to eager bit for bit.
+TEST(GpuMsaDecode1, TwoGroupsMatchOneGroupAndReplayBitwise) {
+  REQUIRE_GPU();
+  if (!kernels::hopper_paths_run()) GTEST_SKIP() << "not a Hopper GPU or no sm_90a code in this build: no copy-engine form";
+  std::unique_ptr<MsaDecodeCase> one, two;
+  {
+    const detail::ScopedEnv forced("M3RT_MSA_D1_GROUPS", "1");  // the rule's splits, one group
+    one = std::make_unique<MsaDecodeCase>(true, 1, 40);
+  }
+  const detail::ScopedEnv forced("M3RT_MSA_D1_GROUPS", "2");  // the plan's splits: one
+  two = std::make_unique<MsaDecodeCase>(true, 1, 40);
+  cudaStream_t st = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  one->refill();  // both generators step together: every round gives both the same inputs
+  two->refill();
+  CapturedGraph graph([&](cudaStream_t s) { two->run(s); });
+  for (int round = 0; round < 2; ++round) {
+    one->refill();
+    two->refill();
+    settle();
+    one->run(st);
+    two->run(st);
+    CUDA_OK(cudaStreamSynchronize(st));
+    EXPECT_EQ(one->nan_outputs(), 0) << "round " << round;
+    EXPECT_EQ(two->nan_outputs(), 0) << "round " << round;
+    const Tensor o1 = one->out.to(Device::cpu()), o2 = two->out.to(Device::cpu());
+    const Tensor l1 = one->lse.to(Device::cpu()), l2 = two->lse.to(Device::cpu());
+    int64_t bad = 0;
+    for (int64_t i = 0; i < o1.numel(); ++i) {
+      const double a = bf16_to_float(o1.ptr<uint16_t>()[i]), b = bf16_to_float(o2.ptr<uint16_t>()[i]);
+      if (std::fabs(a - b) > std::max(8e-4, 3 * 0x1p-8 * std::fabs(a)) && bad++ < 3)
+        ADD_FAILURE() << "out element " << i << ": one group " << a << ", two groups " << b;
+    }
+    for (int64_t i = 0; i < l1.numel(); ++i) {
+      const double a = l1.ptr<float>()[i], b = l2.ptr<float>()[i];
+      if (!(a == b || std::fabs(a - b) <= 2.0 / 65536 * std::fabs(a)) && bad++ < 6)
+        ADD_FAILURE() << "lse " << i << ": one group " << a << ", two groups " << b;
+    }
+    EXPECT_EQ(bad, 0) << "round " << round;
+    const Tensor eager_out = o2, eager_lse = l2;
+    two->poison();
+    settle();
+    CUDA_OK(cudaGraphLaunch(graph.exec, graph.stream));
+    CUDA_OK(cudaStreamSynchronize(graph.stream));
+    EXPECT_TRUE(same_bytes(eager_out, two->out)) << "out, round " << round;
+    EXPECT_TRUE(same_bytes(eager_lse, two->lse)) << "lse, round " << round;
+  }
+  CUDA_OK(cudaStreamDestroy(st));
+}
+
 TEST(GpuMsaDecode1, CopyEngineChunksMatchCpAsyncChunksBitwise) {
   REQUIRE_GPU();
   if (!kernels::hopper_paths_run()) GTEST_SKIP() << "not a Hopper GPU or no sm_90a code in this build: no copy-engine form";

@@ -1909,7 +1909,8 @@ __global__ void __launch_bounds__(kWarps * 32 + (kWs ? 128 : 0), kWs ? 1 : 8 / k
 // registers (bf16 168, e4m3 128) let CTAs share an SM, so small
 // batches split into enough CTAs to fill the GPU and one CTA's dependent chain overlaps the
 // others'. Splits merge in a cluster (Hopper, cluster_merge) or through global memory
-// (global_split_merge), the general kernel's arithmetic.
+// (global_split_merge), the general kernel's arithmetic. e4m3 grids of 3/4 to one pair an SM run
+// unsplit with two 4-warp groups a CTA instead (d1_two_groups).
 // Stages x CTAs per SM measured on the H200 (M3 shapes, 32K; bench rows decode B32 / B128):
 // bf16 2 x 3: 45.3 / 159.4 us, 3 x 2: 42.7 (2 splits) / 137.0 us, 4 x 1: 61.6 / 165.0 us (session
 // 8). e4m3 3 x 3, 4 x 3 and 6 x 2 within 32-45 / 96-98 us (session 8); then at 128 registers
@@ -1924,16 +1925,19 @@ __host__ __device__ constexpr int d1_register_ctas(bool fp8) { return fp8 ? 4 : 
 struct D1Layout {
   int stage_bytes, stages, q_off, list_off, ml_off, misc_off, qf_off, bar_off, total;
 };
-__host__ __device__ inline D1Layout d1_layout(bool fp8, int stages) {
+// stages: the CTA's stages in all (its groups' together); groups: 4-warp groups (msa_decode1_kernel's
+// kGroups), four key parts each.
+__host__ __device__ inline D1Layout d1_layout(bool fp8, int stages, int groups = 1) {
   D1Layout l{};
   l.stage_bytes = kChunkKeys * cache_row_bytes(fp8);
   l.stages = stages;
-  const int planes = kD1Parts * kD1Rows * 512;  // the key parts' fp32 output rows, after the loop
+  const int parts = kD1Parts * groups;
+  const int planes = parts * kD1Rows * 512;  // the key parts' fp32 output rows, after the loop
   l.q_off = stages * l.stage_bytes > planes ? stages * l.stage_bytes : planes;
   l.list_off = l.q_off + kD1Rows * 256;                    // bf16 (e4m3 pages: f16) queries
   l.ml_off = l.list_off + 2 * kMsaMaxTopk * 8;             // int2 {key position, page} per chunk
-  // (m, l): key parts [kD1Parts][16], rows [16], merged [16]; split weights [kMaxSplits][16]
-  l.misc_off = l.ml_off + (kD1Parts + 2) * kD1Rows * 8 + kMaxSplits * kD1Rows * 4;
+  // (m, l): key parts [parts][16], rows [16], merged [16]; split weights [kMaxSplits][16]
+  l.misc_off = l.ml_off + (parts + 2) * kD1Rows * 8 + kMaxSplits * kD1Rows * 4;
   l.qf_off = l.misc_off + 16;                              // [0] chunks, [1] last split
   l.bar_off = l.qf_off + (fp8 ? kD1Rows * 4 : 0);          // e4m3: the rows' query factors
   l.total = l.bar_off + 8 * 8;                             // the copy engine's stages: an mbarrier each
@@ -2031,26 +2035,32 @@ __device__ __forceinline__ const char* d1_chunk(const MsaParams& p, int2 e, int 
 // warp zeroes the V rows of its keys at or past seq_len. `smem` is then 1024 bytes longer than
 // d1_layout's total (the stages start on the swizzle atom). e4m3 only: bf16 chunks as four boxes
 // ran slower than by cp.async at every batch (H200, session 25).
-template <bool kFp8, bool kCluster, bool kTma = false>
+// kGroups 2 (copy-engine form only): 8 warps as two 4-warp groups; group i takes the share's chunks
+// i, i + 2, ... through its own `stages` stages and mbarriers, the groups stepping together, so
+// that one CTA keeps two chunks' dependent chains in flight; the eight key parts merge as four do.
+template <bool kFp8, bool kCluster, bool kTma = false, int kGroups = 1>
 __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* smem_raw, int64_t t, int kv_head,
                                          int split, int splits, int from, int to, int den, int slot_stride,
                                          bool trigger) {
   static_assert(kFp8 || !kTma, "the copy-engine form is e4m3's");
-  const D1Layout L = d1_layout(kFp8, stages);
+  static_assert(kGroups == 1 || (kGroups == 2 && kTma), "two warp groups: the copy-engine form only");
+  constexpr int kThreads = kD1Threads * kGroups, kParts = kD1Parts * kGroups;
+  const D1Layout L = d1_layout(kFp8, kGroups * stages, kGroups);
   char* smem = kTma ? smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u) : smem_raw;
   char* area = smem;
   char* q_s = smem + L.q_off;
   int2* list = reinterpret_cast<int2*>(smem + L.list_off);
-  float2* part_ml = reinterpret_cast<float2*>(smem + L.ml_off);  // [kD1Parts][16]
-  float2* row_ml = part_ml + kD1Parts * kD1Rows;
+  float2* part_ml = reinterpret_cast<float2*>(smem + L.ml_off);  // [kParts][16]
+  float2* row_ml = part_ml + kParts * kD1Rows;
   float2* merged = row_ml + kD1Rows;
   float* split_w = reinterpret_cast<float*>(merged + kD1Rows);
   int* misc = reinterpret_cast<int*>(smem + L.misc_off);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4;
+  const int grp = kGroups == 1 ? 0 : warp / kD1Parts;  // the warp's group
   const int G = p.num_heads / p.num_kv_heads;
 
   // Queries: the first cp.async group (rows past G zero-filled).
-  for (int idx = tid; idx < kD1Rows * 16; idx += kD1Threads) {
+  for (int idx = tid; idx < kD1Rows * 16; idx += kThreads) {
     const int row = idx / 16, pc = idx % 16;
     const uint16_t* src = p.q + t * p.q_stride_t + int64_t(kv_head * G + min(row, G - 1)) * p.q_stride_h + pc * 8;
     cp_async_16z(q_s + row * 256 + ((pc ^ swz_bf16(row)) * 16), src, row < G ? 16 : 0);
@@ -2073,7 +2083,7 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
     if (lane == 0) misc[0] = base;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     if (kTma && lane == 0) {
-      for (int s = 0; s < stages; ++s) kernels::mbar_init(&full[s], 1);
+      for (int s = 0; s < kGroups * stages; ++s) kernels::mbar_init(&full[s], 1);
       kernels::fence_mbarrier_init();
     }
 #endif
@@ -2084,13 +2094,16 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
   const float k_scale = kFp8 ? *p.k_scale : 1.f, v_scale = kFp8 ? *p.v_scale : 1.f;
   const float scale_log2 = p.softmax_scale * k_scale * kLog2e;
   const ChunkLoader<kFp8, kD1Threads> loader;
+  // The group's stages: slots grp * stages + [0, stages), with their mbarriers.
+  char* const group_area = area + grp * stages * L.stage_bytes;
+  uint64_t* const group_full = full + grp * stages;
   auto issue = [&](int c, int slot) {
-    if constexpr (kTma) {  // thread 0: the chunk's boxes, nothing past the split's end
+    if constexpr (kTma) {  // the group's thread 0: the chunk's boxes, nothing past the split's end
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-      if (tid == 0 && c < c_end) {
+      if ((kGroups == 1 ? tid : tid % kD1Threads) == 0 && c < c_end) {
         const int2 e = list[c];
-        tma_chunk_boxes<kFp8>(area + slot * L.stage_bytes, p.cache_map, e.x & kChunkKeys, kv_head, e.y,
-                              uint32_t(L.stage_bytes), &full[slot]);
+        tma_chunk_boxes<kFp8>(group_area + slot * L.stage_bytes, p.cache_map, e.x & kChunkKeys, kv_head, e.y,
+                              uint32_t(L.stage_bytes), &group_full[slot]);
       }
 #endif
     } else {  // one cp.async group per chunk, empty past the split's end
@@ -2101,19 +2114,19 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
       cp_async_commit();
     }
   };
-  for (int i = 0; i < stages - 1; ++i) issue(c_begin + i, i);
+  for (int i = 0; i < stages - 1; ++i) issue(c_begin + grp + i * kGroups, i);
   float2 row_scale = make_float2(scale_log2, scale_log2);
   if constexpr (kTma) cp_async_wait<0>();  // the queries (the only cp.async group)
   else cp_async_wait_dyn(stages - 1);      // the queries (the oldest group)
   __syncthreads();
   if constexpr (kFp8) {
     float* q_factor = reinterpret_cast<float*>(smem + L.qf_off);
-    q_rows_to_f16<kD1Threads>(q_s, q_factor, G);
+    q_rows_to_f16<kThreads>(q_s, q_factor, G);
     __syncthreads();
     row_scale.x = scale_log2 * (g < G ? q_factor[g] : 1.f);
     row_scale.y = scale_log2 * (g + 8 < G ? q_factor[g + 8] : 1.f);
   }
-  q_to_fragments<kD1Threads>(q_s);  // the loop's queries as A fragments (tile_keys16's kQFrag)
+  q_to_fragments<kThreads>(q_s);  // the loop's queries as A fragments (tile_keys16's kQFrag)
   TileState st;
 #pragma unroll
   for (int j = 0; j < 16; ++j)
@@ -2122,21 +2135,27 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
   st.m[0] = st.m[1] = -INFINITY;
   st.l[0] = st.l[1] = 0.f;
   const LaneOffsets off = lane_offsets<kFp8, kTma>(0);
-  const int key0 = warp * 16;  // this warp's keys of every chunk
+  const int key0 = (kGroups == 1 ? warp : warp % kD1Parts) * 16;  // this warp's keys of every chunk
   int slot = 0, fill = stages - 1;  // the stage read and the stage refilled this iteration
   uint32_t phase = 0;               // kTma: the parity of the read stage's current fill
-  for (int c = c_begin; c < c_end; ++c) {
-    issue(c + stages - 1, fill);
+  // kGroups 2: the groups step together (one CTA barrier an iteration), the second group's last
+  // chunk past the end when the share has an odd count.
+  for (int c0 = c_begin; c0 < c_end; c0 += kGroups) {
+    const int c = c0 + grp;
+    issue(c + stages * kGroups - kGroups, fill);
     fill = fill + 1 == stages ? 0 : fill + 1;
-    char* stage = area + slot * L.stage_bytes;
+    char* stage = group_area + slot * L.stage_bytes;
+    const bool here = kGroups == 1 || c < c_end;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if constexpr (kTma) kernels::mbar_wait(&full[slot], phase);
+    if constexpr (kTma) {
+      if (here) kernels::mbar_wait(&group_full[slot], phase);
+    }
 #endif
     if constexpr (!kTma) {
       cp_async_wait_dyn(stages - 1);
       __syncthreads();
     }
-    const int pos = list[c].x;
+    const int pos = here ? list[c].x : hi;  // past the end: no key of the chunk is seen
     const int clo = min(max(lo - pos, 0), kChunkKeys), chi = min(max(hi - pos, clo), kChunkKeys);
     if (chi > key0 && clo < key0 + 16) {
       if (kTma && chi < key0 + 16) {  // a partial chunk: this warp's V rows past seq_len, zeroed
@@ -2183,10 +2202,10 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
     const int row = g + rs * 8;
     float m = -INFINITY;
 #pragma unroll
-    for (int k = 0; k < kD1Parts; ++k) m = fmaxf(m, part_ml[k * kD1Rows + row].x);
+    for (int k = 0; k < kParts; ++k) m = fmaxf(m, part_ml[k * kD1Rows + row].x);
     float l = 0.f;
 #pragma unroll
-    for (int k = 0; k < kD1Parts; ++k) {
+    for (int k = 0; k < kParts; ++k) {
       const float2 v = part_ml[k * kD1Rows + row];
       l += v.x == -INFINITY ? 0.f : v.y * exp2f(v.x - m);
     }
@@ -2203,11 +2222,11 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
     }
   }
   __syncthreads();
-  for (int it = tid; it < G * 32; it += kD1Threads) {
+  for (int it = tid; it < G * 32; it += kThreads) {
     const int row = it / 32, q = it % 32, at = d1_plane_at(row, q);
     float4 v = *reinterpret_cast<const float4*>(fin + at);
 #pragma unroll
-    for (int k = 1; k < kD1Parts; ++k) {
+    for (int k = 1; k < kParts; ++k) {
       const float4 u = *reinterpret_cast<const float4*>(fin + k * kPlane + at);
       v.x += u.x;
       v.y += u.y;
@@ -2233,7 +2252,7 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
                        .out_stride_t = p.out_stride_t, .out_stride_h = p.out_stride_h, .lse = p.lse,
                        .lse_stride_t = p.lse_stride_t, .tok0 = t, .rows = G, .rows_cap = kD1Rows,
                        .splits = splits, .split = split, .G = G, .head0 = kv_head * G, .v_scale = v_scale};
-    cluster_merge<kD1Threads, true>(m);  // its first cluster barrier orders plane 0's writes
+    cluster_merge<kThreads, true>(m);  // its first cluster barrier orders plane 0's writes
     return;
   }
 #endif
@@ -2241,23 +2260,24 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
   auto write_row = [&](int row, float m, float l, auto&& value) {
     store_row(p, t, kv_head * G + row, m, l, v_scale, value);
   };
-  global_split_merge<kD1Threads>(p, t * p.num_kv_heads + kv_head, slot_stride, split, splits, G, kD1Rows, row_ml,
+  global_split_merge<kThreads>(p, t * p.num_kv_heads + kv_head, slot_stride, split, splits, G, kD1Rows, row_ml,
                                  split_w, fin, misc + 1,
                                  [&](int row, int col) { return fin[d1_plane_at(row, col / 4) + col % 4]; },
                                  write_row);
 }
 
 // dql-1 decode, a CTA per (request t = blockIdx.x, KV head, split): split z of the pair's chunks.
-template <bool kFp8, bool kCluster, bool kTma>
-__global__ void __launch_bounds__(kD1Threads, d1_register_ctas(kFp8))
+// kGroups 2 (8 warps, d1_two_groups): two CTAs an SM at the one-group e4m3 instances' 128 registers.
+template <bool kFp8, bool kCluster, bool kTma, int kGroups = 1>
+__global__ void __launch_bounds__(kD1Threads* kGroups, kGroups == 1 ? d1_register_ctas(kFp8) : 2)
     msa_decode1_kernel(const __grid_constant__ MsaParams p, int stages) {
   kernels::grid_dependency_wait();  // launched with PDL (p.pdl): nothing is read before this
   extern __shared__ __align__(128) char smem[];
   const int64_t t = blockIdx.x;  // dql 1: token t is request t's only one
   const int kv_head = blockIdx.y, split = blockIdx.z;
   const int splits = p.num_splits > 1 ? p.num_splits : 1;
-  d1_share<kFp8, kCluster, kTma>(p, stages, smem, t, kv_head, split, splits, split, split + 1, splits, splits,
-                                 p.pdl_trigger);
+  d1_share<kFp8, kCluster, kTma, kGroups>(p, stages, smem, t, kv_head, split, splits, split, split + 1, splits,
+                                          splits, p.pdl_trigger);
 }
 
 // Benchmarks (msa_decode1_read_floor_launch): msa_decode1_kernel's page stream alone on its split
@@ -2506,8 +2526,28 @@ bool d1_use_tma(bool fp8, int64_t ctas, int splits) {
          (mode == 1 && ctas <= per_sm * detail::multiprocessor_count() && splits <= kD1TmaMaxSplits);
 }
 
+// Whether an e4m3 dql-1 grid takes two 4-warp groups a CTA (msa_decode1_kernel's kGroups): an
+// unsplit copy-engine grid of at least 3/4 and at most one CTA an SM (msa_decode_splits then leaves
+// the pairs unsplit), where one 4-warp CTA an SM cannot keep up with its chunks and a second split
+// costs a cluster merge. H200, M3 shapes, 32K, same call, two runs each (session 31): batch 28
+// (112 pairs) 24.10-24.13 us against 25.20-25.21 at the rule's three splits (1.045x), 32 (128)
+// 25.01-25.04 against 26.48-26.51 at two (1.059x), 33 (132) 25.22-25.30 against 26.75-26.76; one
+// group unsplit had run batch 32 in 30.90-31.05, and batch 24 (96 pairs) unsplit with two groups
+// 23.41-23.50 against 23.79-23.96 at three splits (the session-29 form on 2f0d886, so left out).
+// Beside a second split (256 CTAs, 16 warps an SM) the two groups had run 0.97x, at batch 8 (256
+// CTAs of 8 splits) 0.85x (session 29). M3RT_MSA_D1_GROUPS=1: never; =2: on every unsplit, plain
+// copy-engine e4m3 grid (tests; msa_decode_splits then leaves every such grid unsplit).
+bool d1_two_groups(bool fp8, int64_t ctas, bool mixed, bool tma, int splits) {
+  if (!fp8 || mixed || !tma || splits != 1) return false;
+  const int mode = env_int("M3RT_MSA_D1_GROUPS", 0);
+  if (mode == 1 || mode == 2) return mode == 2;
+  const int64_t sms = detail::multiprocessor_count();
+  return 4 * ctas >= 3 * sms && ctas <= sms;
+}
+
 // tma: the kTma instances (e4m3; chunks by the copy engine; 1024 bytes more shared memory).
-// splits: the pairs' splits (the mixed grid's pieces).
+// splits: the pairs' splits (the mixed grid's pieces). Two groups (d1_two_groups): 256 threads,
+// two stages each.
 KernelConfig decode1_config(bool fp8, int64_t ctas, bool mixed, bool tma, int splits) {
   const detail::DeviceLimits dl = detail::device_limits();
   const int per_sm = dl.smem_per_sm, optin = dl.smem_optin;
@@ -2518,6 +2558,15 @@ KernelConfig decode1_config(bool fp8, int64_t ctas, bool mixed, bool tma, int sp
   int stages = fp8 || !d1_bf16_three_stages(ctas, splits) ? 2 : fit;
   stages = std::clamp(env_int("M3RT_MSA_D1_STAGES", stages), 2, most);  // tuning knob for benches
   KernelConfig cfg{};
+  if (d1_two_groups(fp8, ctas, mixed, tma, splits)) {
+    cfg.fn = msa_decode1_kernel<true, false, true, 2>;
+    cfg.cluster_fn = msa_decode1_kernel<true, true, true>;  // (unsplit: never launched as a cluster)
+    cfg.threads = cfg.cluster_threads = 2 * kD1Threads;
+    cfg.stages = 2;
+    cfg.smem = d1_layout(fp8, 2 * cfg.stages, 2).total + 1024;
+    raise_smem_limit({cfg.fn, cfg.cluster_fn}, cfg.smem);
+    return cfg;
+  }
   if (tma) {
     cfg.fn = mixed ? msa_decode1_mixed_kernel<true, true> : msa_decode1_kernel<true, false, true>;
     cfg.cluster_fn = msa_decode1_kernel<true, true, true>;
@@ -2626,9 +2675,12 @@ int msa_decode_splits(int batch, int dql, int num_heads, int num_kv_heads, int t
   // bf16 pages: once the pairs alone give (almost) every SM a CTA, one split (no merge) beats
   // filling the second slot (H200, batch 32 = 128 pairs on 132 SMs: 39.2-39.5 us at 1 split
   // against 41.6-41.8 at the rule's 2, three runs; batch 24 keeps 2 splits: 34.8-35.4 against
-  // 38.3-38.4). e4m3 keeps the rule: one e4m3 CTA per SM does not hide its conversions (batch 32
-  // at 1 split 36.1-36.2 us against 30.4-30.7 at 2; batch 48, session 9: 46.4 against 38.1).
+  // 38.3-38.4). e4m3 keeps the rule: one 4-warp e4m3 CTA per SM does not hide its conversions
+  // (batch 32 at 1 split 36.1-36.2 us against 30.4-30.7 at 2; batch 48, session 9: 46.4 against
+  // 38.1); two 4-warp groups a CTA do (below).
   if (d1 && !fp8 && 20 * pairs >= 19 * sms) splits = 1;
+  // e4m3 grids that two 4-warp groups a CTA take unsplit (d1_two_groups: 3/4 to one pair an SM).
+  if (d1 && fp8 && d1_two_groups(true, pairs, false, d1_use_tma(true, pairs, 1), 1)) splits = 1;
   // e4m3: one split fewer where that brings the pairs into the copy-engine form's 8 splits
   // (d1_use_tma). H200, batch 8 = 32 pairs, same call, two runs: 8 splits 15.38-15.43 us against
   // the rule's 9 (cp.async) 16.09-16.11, 1.046x (session 27).
@@ -2698,8 +2750,9 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   // 1.04x / 1.02x, and without the trigger every row ran as without PDL (H200, c8ea3ab, bd77f90).
   // The general kernel never triggers (its grid ends at its exit, as without PDL).
   if (pdl && d1) {
-    // The CTAs an SM holds (decode1_config's stages): e4m3 four; bf16 three at two stages, else two.
-    const int per_sm = p.fp8 ? 4 : cfg.stages == 2 ? 3 : 2;
+    // The CTAs an SM holds (decode1_config's stages): e4m3 four (two of two groups); bf16 three at
+    // two stages, else two.
+    const int per_sm = p.fp8 ? (cfg.threads > kD1Threads ? 2 : 4) : cfg.stages == 2 ? 3 : 2;
     const int64_t sms = detail::multiprocessor_count(), slots = sms * per_sm;
     call.pdl_trigger = 2 * ctas <= sms || 20 * ctas >= 19 * slots;
   }

@@ -1921,6 +1921,8 @@ constexpr int kD1Threads = 128, kD1Rows = 16, kD1Parts = kD1Threads / 32;
 // The register cap: three CTAs an SM (168) for bf16, 128 (four) for e4m3 (no spills but 8 bytes in
 // the mixed instances, outside the loop). Stages and CTAs an SM: decode1_config.
 __host__ __device__ constexpr int d1_register_ctas(bool fp8) { return fp8 ? 4 : 3; }
+// The two-group e4m3 CTAs (256 threads, d1_two_groups) an SM at the same 128 registers.
+constexpr int kD1TwoGroupCtas = 2;
 
 struct D1Layout {
   int stage_bytes, stages, q_off, list_off, ml_off, misc_off, qf_off, bar_off, total;
@@ -2269,7 +2271,7 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
 // dql-1 decode, a CTA per (request t = blockIdx.x, KV head, split): split z of the pair's chunks.
 // kGroups 2 (8 warps, d1_two_groups): two CTAs an SM at the one-group e4m3 instances' 128 registers.
 template <bool kFp8, bool kCluster, bool kTma, int kGroups = 1>
-__global__ void __launch_bounds__(kD1Threads* kGroups, kGroups == 1 ? d1_register_ctas(kFp8) : 2)
+__global__ void __launch_bounds__(kD1Threads* kGroups, kGroups == 1 ? d1_register_ctas(kFp8) : kD1TwoGroupCtas)
     msa_decode1_kernel(const __grid_constant__ MsaParams p, int stages) {
   kernels::grid_dependency_wait();  // launched with PDL (p.pdl): nothing is read before this
   extern __shared__ __align__(128) char smem[];
@@ -2549,6 +2551,16 @@ bool d1_two_groups(bool fp8, int64_t ctas, bool mixed, bool tma, int splits) {
 // splits: the pairs' splits (the mixed grid's pieces). Two groups (d1_two_groups): 256 threads,
 // two stages each.
 KernelConfig decode1_config(bool fp8, int64_t ctas, bool mixed, bool tma, int splits) {
+  if (d1_two_groups(fp8, ctas, mixed, tma, splits)) {
+    KernelConfig cfg{};
+    cfg.fn = msa_decode1_kernel<true, false, true, 2>;
+    cfg.cluster_fn = msa_decode1_kernel<true, true, true>;  // (unsplit: never launched as a cluster)
+    cfg.threads = cfg.cluster_threads = 2 * kD1Threads;
+    cfg.stages = 2;  // a group's
+    cfg.smem = d1_layout(fp8, 2 * cfg.stages, 2).total + 1024;
+    raise_smem_limit({cfg.fn, cfg.cluster_fn}, cfg.smem);
+    return cfg;
+  }
   const detail::DeviceLimits dl = detail::device_limits();
   const int per_sm = dl.smem_per_sm, optin = dl.smem_optin;
   const D1Layout base = d1_layout(fp8, 0);
@@ -2558,15 +2570,6 @@ KernelConfig decode1_config(bool fp8, int64_t ctas, bool mixed, bool tma, int sp
   int stages = fp8 || !d1_bf16_three_stages(ctas, splits) ? 2 : fit;
   stages = std::clamp(env_int("M3RT_MSA_D1_STAGES", stages), 2, most);  // tuning knob for benches
   KernelConfig cfg{};
-  if (d1_two_groups(fp8, ctas, mixed, tma, splits)) {
-    cfg.fn = msa_decode1_kernel<true, false, true, 2>;
-    cfg.cluster_fn = msa_decode1_kernel<true, true, true>;  // (unsplit: never launched as a cluster)
-    cfg.threads = cfg.cluster_threads = 2 * kD1Threads;
-    cfg.stages = 2;
-    cfg.smem = d1_layout(fp8, 2 * cfg.stages, 2).total + 1024;
-    raise_smem_limit({cfg.fn, cfg.cluster_fn}, cfg.smem);
-    return cfg;
-  }
   if (tma) {
     cfg.fn = mixed ? msa_decode1_mixed_kernel<true, true> : msa_decode1_kernel<true, false, true>;
     cfg.cluster_fn = msa_decode1_kernel<true, true, true>;
@@ -2752,7 +2755,8 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   if (pdl && d1) {
     // The CTAs an SM holds (decode1_config's stages): e4m3 four (two of two groups); bf16 three at
     // two stages, else two.
-    const int per_sm = p.fp8 ? (cfg.threads > kD1Threads ? 2 : 4) : cfg.stages == 2 ? 3 : 2;
+    const int per_sm = p.fp8 ? (cfg.threads > kD1Threads ? kD1TwoGroupCtas : d1_register_ctas(true))
+                             : cfg.stages == 2 ? 3 : 2;
     const int64_t sms = detail::multiprocessor_count(), slots = sms * per_sm;
     call.pdl_trigger = 2 * ctas <= sms || 20 * ctas >= 19 * slots;
   }

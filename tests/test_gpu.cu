@@ -38,6 +38,7 @@
 #include "ops/common/sm90.cuh"
 #include "ops/lightning_indexer/indexer_compare.h"
 #include "ops/lightning_indexer/lightning_indexer.h"
+#include "ops/msa_attention/msa_attention.h"
 
 namespace {
 
@@ -915,56 +916,68 @@ TEST_P(GpuMsaLoops, CopyEngineLoopMatchesCpAsyncLoopBitwise) {
 INSTANTIATE_TEST_SUITE_P(CacheDtype, GpuMsaLoops, ::testing::Bool(),
                          [](const auto& info) { return std::string(info.param ? "fp8" : "bf16"); });
 
-// e4m3 dql 1 with two 4-warp groups a CTA (forced here on an unsplit grid; by default an unsplit
-// copy-engine grid of 3/4 to one pair an SM takes them): within the ops' tolerance of the one-group
-// split grid on the same inputs (only the order of the key parts' sums differs), every row written,
-// and a graph replay equal to eager bit for bit.
+// e4m3 dql 1 with two 4-warp groups a CTA (forced here; by default copy-engine grids of 3/4 to one
+// CTA an SM take them, unsplit or at two splits merged in a cluster of two): within the ops'
+// tolerance of one group on the same inputs and splits (only the order of the key parts' sums
+// differs), every row written, and a graph replay equal to eager bit for bit. Unsplit (against
+// the rule's split grid) and at two splits (M3RT_MSA_SPLITS=2 for both: the cluster instance).
 TEST(GpuMsaDecode1, TwoGroupsMatchOneGroupAndReplayBitwise) {
   REQUIRE_GPU();
   if (!kernels::hopper_paths_run()) GTEST_SKIP() << "not a Hopper GPU or no sm_90a code in this build: no copy-engine form";
-  std::unique_ptr<MsaDecodeCase> one, two;
-  {
-    const detail::ScopedEnv forced("M3RT_MSA_D1_GROUPS", "1");  // the rule's splits, one group
-    one = std::make_unique<MsaDecodeCase>(true, 1, 40);
-  }
-  const detail::ScopedEnv forced("M3RT_MSA_D1_GROUPS", "2");  // the plan's splits: one
-  two = std::make_unique<MsaDecodeCase>(true, 1, 40);
-  cudaStream_t st = nullptr;
-  CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  one->refill();  // both generators step together: every round gives both the same inputs
-  two->refill();
-  CapturedGraph graph([&](cudaStream_t s) { two->run(s); });
-  for (int round = 0; round < 2; ++round) {
-    one->refill();
+  for (const char* splits : {static_cast<const char*>(nullptr), "2"}) {
+    SCOPED_TRACE(splits ? "two splits" : "unsplit");
+    const detail::ScopedEnv split_count("M3RT_MSA_SPLITS", splits);
+    // The knob is read when a plan is made (its splits) and at each launch (the instance): every
+    // construction and launch of a case runs under its own value.
+    auto groups = [](const char* n, auto&& f) {
+      const detail::ScopedEnv forced("M3RT_MSA_D1_GROUPS", n);
+      f();
+    };
+    using C = MsaDecodeCase;
+    auto plan_splits = [] { return msa_decode_splits(40, 1, C::Hq, C::Hkv, C::K, C::max_blocks, true); };
+    groups("1", [&] { EXPECT_GT(plan_splits(), 1) << "one group: these 80 pairs are split"; });
+    groups("2", [&] { EXPECT_EQ(plan_splits(), splits ? 2 : 1); });
+    std::unique_ptr<MsaDecodeCase> one, two;
+    groups("1", [&] { one = std::make_unique<MsaDecodeCase>(true, 1, 40); });  // the rule's splits
+    groups("2", [&] { two = std::make_unique<MsaDecodeCase>(true, 1, 40); });  // unsplit
+    cudaStream_t st = nullptr;
+    CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    one->refill();  // both generators step together: every round gives both the same inputs
     two->refill();
-    settle();
-    one->run(st);
-    two->run(st);
-    CUDA_OK(cudaStreamSynchronize(st));
-    EXPECT_EQ(one->nan_outputs(), 0) << "round " << round;
-    EXPECT_EQ(two->nan_outputs(), 0) << "round " << round;
-    const Tensor o1 = one->out.to(Device::cpu()), o2 = two->out.to(Device::cpu());
-    const Tensor l1 = one->lse.to(Device::cpu()), l2 = two->lse.to(Device::cpu());
-    int64_t bad = 0;
-    for (int64_t i = 0; i < o1.numel(); ++i) {
-      const double a = bf16_to_float(o1.ptr<uint16_t>()[i]), b = bf16_to_float(o2.ptr<uint16_t>()[i]);
-      if (std::fabs(a - b) > std::max(8e-4, 3 * 0x1p-8 * std::fabs(a)) && bad++ < 3)
-        ADD_FAILURE() << "out element " << i << ": one group " << a << ", two groups " << b;
+    std::unique_ptr<CapturedGraph> graph;
+    groups("2", [&] { graph = std::make_unique<CapturedGraph>([&](cudaStream_t s) { two->run(s); }); });
+    for (int round = 0; round < 2; ++round) {
+      one->refill();
+      two->refill();
+      settle();
+      groups("1", [&] { one->run(st); });
+      groups("2", [&] { two->run(st); });
+      CUDA_OK(cudaStreamSynchronize(st));
+      EXPECT_EQ(one->nan_outputs(), 0) << "round " << round;
+      EXPECT_EQ(two->nan_outputs(), 0) << "round " << round;
+      const Tensor o1 = one->out.to(Device::cpu()), o2 = two->out.to(Device::cpu());
+      const Tensor l1 = one->lse.to(Device::cpu()), l2 = two->lse.to(Device::cpu());
+      int64_t bad = 0;
+      for (int64_t i = 0; i < o1.numel(); ++i) {
+        const double a = bf16_to_float(o1.ptr<uint16_t>()[i]), b = bf16_to_float(o2.ptr<uint16_t>()[i]);
+        if (std::fabs(a - b) > std::max(8e-4, 3 * 0x1p-8 * std::fabs(a)) && bad++ < 3)
+          ADD_FAILURE() << "out element " << i << ": one group " << a << ", two groups " << b;
+      }
+      for (int64_t i = 0; i < l1.numel(); ++i) {
+        const double a = l1.ptr<float>()[i], b = l2.ptr<float>()[i];
+        if (!(a == b || std::fabs(a - b) <= 2.0 / 65536 * std::fabs(a)) && bad++ < 6)
+          ADD_FAILURE() << "lse " << i << ": one group " << a << ", two groups " << b;
+      }
+      EXPECT_EQ(bad, 0) << "round " << round;
+      two->poison();
+      settle();
+      CUDA_OK(cudaGraphLaunch(graph->exec, graph->stream));
+      CUDA_OK(cudaStreamSynchronize(graph->stream));
+      EXPECT_TRUE(same_bytes(o2, two->out)) << "out, round " << round;  // replay == eager
+      EXPECT_TRUE(same_bytes(l2, two->lse)) << "lse, round " << round;
     }
-    for (int64_t i = 0; i < l1.numel(); ++i) {
-      const double a = l1.ptr<float>()[i], b = l2.ptr<float>()[i];
-      if (!(a == b || std::fabs(a - b) <= 2.0 / 65536 * std::fabs(a)) && bad++ < 6)
-        ADD_FAILURE() << "lse " << i << ": one group " << a << ", two groups " << b;
-    }
-    EXPECT_EQ(bad, 0) << "round " << round;
-    two->poison();
-    settle();
-    CUDA_OK(cudaGraphLaunch(graph.exec, graph.stream));
-    CUDA_OK(cudaStreamSynchronize(graph.stream));
-    EXPECT_TRUE(same_bytes(o2, two->out)) << "out, round " << round;  // replay == eager
-    EXPECT_TRUE(same_bytes(l2, two->lse)) << "lse, round " << round;
+    CUDA_OK(cudaStreamDestroy(st));
   }
-  CUDA_OK(cudaStreamDestroy(st));
 }
 
 // e4m3 dql-1 decode's two chunk loaders (msa_decode1_kernel's kTma form, the default on grids of at

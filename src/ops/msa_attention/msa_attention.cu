@@ -1910,7 +1910,7 @@ __global__ void __launch_bounds__(kWarps * 32 + (kWs ? 128 : 0), kWs ? 1 : 8 / k
 // batches split into enough CTAs to fill the GPU and one CTA's dependent chain overlaps the
 // others'. Splits merge in a cluster (Hopper, cluster_merge) or through global memory
 // (global_split_merge), the general kernel's arithmetic. e4m3 grids of 3/4 to one pair an SM run
-// unsplit with two 4-warp groups a CTA instead (d1_two_groups).
+// unsplit with two 4-warp groups a CTA instead, those of 3/8 to 1/2 at two splits (d1_two_groups).
 // Stages x CTAs per SM measured on the H200 (M3 shapes, 32K; bench rows decode B32 / B128):
 // bf16 2 x 3: 45.3 / 159.4 us, 3 x 2: 42.7 (2 splits) / 137.0 us, 4 x 1: 61.6 / 165.0 us (session
 // 8). e4m3 3 x 3, 4 x 3 and 6 x 2 within 32-45 / 96-98 us (session 8); then at 128 registers
@@ -2528,19 +2528,25 @@ bool d1_use_tma(bool fp8, int64_t ctas, int splits) {
          (mode == 1 && ctas <= per_sm * detail::multiprocessor_count() && splits <= kD1TmaMaxSplits);
 }
 
-// Whether an e4m3 dql-1 grid takes two 4-warp groups a CTA (msa_decode1_kernel's kGroups): an
-// unsplit copy-engine grid of at least 3/4 and at most one CTA an SM (msa_decode_splits then leaves
-// the pairs unsplit), where one 4-warp CTA an SM cannot keep up with its chunks and a second split
-// costs a cluster merge. H200, M3 shapes, 32K, same call, two runs each (session 31): batch 28
+// Whether an e4m3 dql-1 grid takes two 4-warp groups a CTA (msa_decode1_kernel's kGroups): a
+// copy-engine grid of one or two splits and at least 3/4 and at most one CTA an SM (msa_decode_splits
+// then leaves such pairs unsplit, or at two splits merged in a cluster of two), where one 4-warp CTA
+// an SM cannot keep up with its chunks and more splits cost a wider merge. H200, M3 shapes, 32K, same call, two runs each (session 31): batch 28
 // (112 pairs) 24.10-24.13 us against 25.20-25.21 at the rule's three splits (1.045x), 32 (128)
 // 25.01-25.04 against 26.48-26.51 at two (1.059x), 33 (132) 25.22-25.30 against 26.75-26.76; one
 // group unsplit had run batch 32 in 30.90-31.05, and batch 24 (96 pairs) unsplit with two groups
 // 23.41-23.50 against 23.79-23.96 at three splits (the session-29 form on 2f0d886, so left out).
 // Beside a second split (256 CTAs, 16 warps an SM) the two groups had run 0.97x, at batch 8 (256
-// CTAs of 8 splits) 0.85x (session 29). M3RT_MSA_D1_GROUPS=1: never; =2: on every unsplit, plain
-// copy-engine e4m3 grid (tests; msa_decode_splits then leaves every such grid unsplit).
+// CTAs of 8 splits) 0.85x (session 29). At two splits (session 32, same call, two runs each,
+// against the rule's 4-5 splits): batch 13 (104 CTAs) 17.15-17.39 vs 17.15 us (0.99-1.00x), 14
+// 17.40-17.52 vs 17.60-17.66 (1.01x), 15 17.76-17.78 vs 18.00-18.02 (1.013x), 16 17.93-17.98 vs
+// 18.43-18.44 (1.026x). Each group paced by its own named barrier instead of the shared CTA barrier
+// ran 1.00-1.016x, but racecheck reports hazards on the key-part merge after the loop there (a
+// minimal kernel of the same barrier pattern is clean), so the groups step together.
+// M3RT_MSA_D1_GROUPS=1: never; =2: on every plain copy-engine e4m3 grid of one or two splits
+// (tests; msa_decode_splits then leaves every such grid unsplit, M3RT_MSA_SPLITS=2 splits it).
 bool d1_two_groups(bool fp8, int64_t ctas, bool mixed, bool tma, int splits) {
-  if (!fp8 || mixed || !tma || splits != 1) return false;
+  if (!fp8 || mixed || !tma || splits > 2) return false;
   const int mode = env_int("M3RT_MSA_D1_GROUPS", 0);
   if (mode == 1 || mode == 2) return mode == 2;
   const int64_t sms = detail::multiprocessor_count();
@@ -2554,7 +2560,7 @@ KernelConfig decode1_config(bool fp8, int64_t ctas, bool mixed, bool tma, int sp
   if (d1_two_groups(fp8, ctas, mixed, tma, splits)) {
     KernelConfig cfg{};
     cfg.fn = msa_decode1_kernel<true, false, true, 2>;
-    cfg.cluster_fn = msa_decode1_kernel<true, true, true>;  // (unsplit: never launched as a cluster)
+    cfg.cluster_fn = msa_decode1_kernel<true, true, true, 2>;  // two splits: a cluster of two
     cfg.threads = cfg.cluster_threads = 2 * kD1Threads;
     cfg.stages = 2;  // a group's
     cfg.smem = d1_layout(fp8, 2 * cfg.stages, 2).total + 1024;
@@ -2682,8 +2688,10 @@ int msa_decode_splits(int batch, int dql, int num_heads, int num_kv_heads, int t
   // (batch 32 at 1 split 36.1-36.2 us against 30.4-30.7 at 2; batch 48, session 9: 46.4 against
   // 38.1); two 4-warp groups a CTA do (below).
   if (d1 && !fp8 && 20 * pairs >= 19 * sms) splits = 1;
-  // e4m3 grids that two 4-warp groups a CTA take unsplit (d1_two_groups: 3/4 to one pair an SM).
+  // e4m3 grids that two 4-warp groups a CTA take (d1_two_groups): unsplit at 3/4 to one pair an SM,
+  // else at two splits at 3/8 to 1/2 (batch 13-16 at Hkv 4 on 132 SMs: 4-5 splits by the rule).
   if (d1 && fp8 && d1_two_groups(true, pairs, false, d1_use_tma(true, pairs, 1), 1)) splits = 1;
+  else if (d1 && fp8 && d1_two_groups(true, 2 * pairs, false, d1_use_tma(true, 2 * pairs, 2), 2)) splits = 2;
   // e4m3: one split fewer where that brings the pairs into the copy-engine form's 8 splits
   // (d1_use_tma). H200, batch 8 = 32 pairs, same call, two runs: 8 splits 15.38-15.43 us against
   // the rule's 9 (cp.async) 16.09-16.11, 1.046x (session 27).

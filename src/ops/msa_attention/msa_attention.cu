@@ -2529,20 +2529,21 @@ bool d1_use_tma(bool fp8, int64_t ctas, int splits) {
 }
 
 // Whether an e4m3 dql-1 grid takes two 4-warp groups a CTA (msa_decode1_kernel's kGroups): a
-// copy-engine grid of one or two splits and at least 3/4 and at most one CTA an SM (msa_decode_splits
-// then leaves such pairs unsplit, or at two splits merged in a cluster of two), where one 4-warp CTA
-// an SM cannot keep up with its chunks and more splits cost a wider merge. H200, M3 shapes, 32K, same call, two runs each (session 31): batch 28
-// (112 pairs) 24.10-24.13 us against 25.20-25.21 at the rule's three splits (1.045x), 32 (128)
-// 25.01-25.04 against 26.48-26.51 at two (1.059x), 33 (132) 25.22-25.30 against 26.75-26.76; one
-// group unsplit had run batch 32 in 30.90-31.05, and batch 24 (96 pairs) unsplit with two groups
-// 23.41-23.50 against 23.79-23.96 at three splits (the session-29 form on 2f0d886, so left out).
-// Beside a second split (256 CTAs, 16 warps an SM) the two groups had run 0.97x, at batch 8 (256
-// CTAs of 8 splits) 0.85x (session 29). At two splits (session 32, same call, two runs each,
-// against the rule's 4-5 splits): batch 13 (104 CTAs) 17.15-17.39 vs 17.15 us (0.99-1.00x), 14
-// 17.40-17.52 vs 17.60-17.66 (1.01x), 15 17.76-17.78 vs 18.00-18.02 (1.013x), 16 17.93-17.98 vs
-// 18.43-18.44 (1.026x). Each group paced by its own named barrier instead of the shared CTA barrier
-// ran 1.00-1.016x, but racecheck reports hazards on the key-part merge after the loop there (a
-// minimal kernel of the same barrier pattern is clean), so the groups step together.
+// copy-engine grid of one or two splits and at least 3/4 and at most one CTA an SM
+// (msa_decode_splits then leaves such pairs unsplit, or at two splits merged in a cluster of two),
+// where one 4-warp CTA an SM cannot keep up with its chunks and more splits cost a wider merge.
+// H200, M3 shapes, 32K, same call, two runs each (session 31): batch 28 (112 pairs) 24.10-24.13 us
+// against 25.20-25.21 at the rule's three splits (1.045x), 32 (128) 25.01-25.04 against 26.48-26.51
+// at two (1.059x), 33 (132) 25.22-25.30 against 26.75-26.76; one group unsplit had run batch 32 in
+// 30.90-31.05, and batch 24 (96 pairs) unsplit with two groups 23.41-23.50 against 23.79-23.96 at
+// three splits (the session-29 form on 2f0d886, so left out). Beside a second split (256 CTAs, 16
+// warps an SM) the two groups had run 0.97x, at batch 8 (256 CTAs of 8 splits) 0.85x (session 29).
+// At two splits (session 32, same call, two runs each, against the rule's 4-5 splits): batch 13
+// (104 CTAs) 17.15-17.39 vs 17.15 us (0.99-1.00x), 14 17.40-17.52 vs 17.60-17.66 (1.01x), 15
+// 17.76-17.78 vs 18.00-18.02 (1.013x), 16 17.93-17.98 vs 18.43-18.44 (1.026x). Each group paced by
+// its own named barrier instead of the shared CTA barrier ran 1.00-1.02x, but racecheck reports
+// hazards on the key-part merge after the loop there (a minimal kernel of the same barrier pattern
+// is clean), so the groups step together.
 // M3RT_MSA_D1_GROUPS=1: never; =2: on every plain copy-engine e4m3 grid of one or two splits
 // (tests; msa_decode_splits then leaves every such grid unsplit, M3RT_MSA_SPLITS=2 splits it).
 bool d1_two_groups(bool fp8, int64_t ctas, bool mixed, bool tma, int splits) {

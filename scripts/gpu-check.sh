@@ -42,10 +42,12 @@ step check-global-merge check.log env M3RT_MSA_CLUSTER=0 "$BUILD_DIR/m3rt" check
 # up to 3 CTAs an SM and at most 8 splits), and by cp.async on every grid.
 step check-d1-copy-engine check.log env M3RT_MSA_D1_TMA=2 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode
 step check-d1-cp-async check.log env M3RT_MSA_D1_TMA=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode
-# e4m3 dql 1 with two 4-warp groups a CTA on every unsplit copy-engine grid (the default takes them
-# on grids of 3/4 to one pair an SM), and so with the copy engine on every e4m3 grid.
+# e4m3 dql 1 with two 4-warp groups a CTA on every copy-engine grid (the default takes them on grids
+# of 3/4 to one CTA an SM, unsplit or at two splits): unsplit, so with the copy engine on every e4m3
+# grid, and at two splits (the cluster instance).
 step check-d1-two-groups check.log env M3RT_MSA_D1_GROUPS=2 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode
 step check-d1-two-groups-tma check.log env M3RT_MSA_D1_GROUPS=2 M3RT_MSA_D1_TMA=2 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode
+step check-d1-two-groups-split check.log env M3RT_MSA_D1_GROUPS=2 M3RT_MSA_SPLITS=2 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode
 # dql 1 with the split grid where the plan would take the mixed one.
 step check-msa-split-grid check.log env M3RT_MSA_MIXED=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode
 step check-sync check.log env M3RT_SYNC_CHECK=1 "$BUILD_DIR/m3rt" check --device cuda

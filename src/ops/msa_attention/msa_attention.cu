@@ -633,10 +633,16 @@ __device__ __forceinline__ void cluster_merge(const ClusterMergeArgs& a) {
   __syncthreads();
   for (int it = tid; it < (r1 - r0) * 32; it += kThreads) {
     const int row = r0 + it / 32, c4 = (it % 32) * 4;
-    // fin_index keeps an aligned group of 4 columns together, permuted by the low 2 bits of its
-    // XOR: column c4 + e sits at element e ^ (x & 3) of the float4.
-    const int x = (row & 7) | (((c4 >> 5) & 3) << 3);
-    const int at = kD1Planes ? d1_plane_at(row, c4 >> 2) : row * 128 + ((c4 ^ x) & ~3), sw = kD1Planes ? 0 : x & 3;
+    int at, sw = 0;  // the float4 of columns c4.. and the permutation of its elements
+    if constexpr (kD1Planes) {
+      at = d1_plane_at(row, c4 >> 2);
+    } else {
+      // fin_index keeps an aligned group of 4 columns together, permuted by the low 2 bits of its
+      // XOR: column c4 + e sits at element e ^ (x & 3) of the float4.
+      const int x = (row & 7) | (((c4 >> 5) & 3) << 3);
+      at = row * 128 + ((c4 ^ x) & ~3);
+      sw = x & 3;
+    }
     float4 v[kMaxSplits];
 #pragma unroll
     for (int s = 0; s < kMaxSplits; ++s)

@@ -11,6 +11,7 @@
 # elsewhere and copied without their object files:
 #   SKIP_BUILD=1 BUILD_DIR=prebuilt STEPS='^(ctest|check.*)$' scripts/gpu-check.sh
 #   SKIP_BUILD=1 BUILD_DIR=prebuilt STEPS='^sanitizer' scripts/gpu-check.sh
+# (with SKIP_BUILD the ctest step runs every $BUILD_DIR/tests/test_* binary itself).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/m3rt-gpu}
@@ -38,12 +39,17 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm --
 COMMIT=${M3RT_GIT_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 echo "commit $COMMIT  $(date -u +%FT%TZ)" >>"$OUT/summary.txt"
 if [ -n "${SKIP_BUILD:-}" ]; then
+  export LD_LIBRARY_PATH=$(cd "$BUILD_DIR" && pwd)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}  # its libm3rt
   [ -x "$BUILD_DIR/m3rt" ] || { echo "SKIP_BUILD=1: no $BUILD_DIR/m3rt" | tee -a "$OUT/summary.txt"; exit 1; }
   NAMES+=("build"); RESULTS+=("skipped (SKIP_BUILD: $BUILD_DIR)")
 else
   step build build.log bash -c "cmake -S . -B $BUILD_DIR -G Ninja -DCMAKE_BUILD_TYPE=Release -DM3RT_BUILD_TESTS=ON -DM3RT_GIT_COMMIT=${M3RT_GIT_COMMIT:-} && cmake --build $BUILD_DIR -j $(nproc)" || { cat "$OUT/build.log" | tail -40; exit 1; }
 fi
-step ctest ctest.log bash -c "cd $BUILD_DIR && ctest --output-on-failure -j 4"
+if [ -n "${SKIP_BUILD:-}" ]; then  # a copied build's CTest files name the paths it was built at
+  step ctest ctest.log bash -c "rc=0; n=0; for t in $BUILD_DIR/tests/test_*; do [ -f \"\$t\" ] && [ -x \"\$t\" ] || continue; n=\$((n + 1)); \"\$t\" || rc=1; done; echo \"\$n test binaries, rc \$rc\"; exit \$rc"
+else
+  step ctest ctest.log bash -c "cd $BUILD_DIR && ctest --output-on-failure -j 4"
+fi
 step check check.log "$BUILD_DIR/m3rt" check
 step check-mma-sync check.log env M3RT_MSA_WGMMA=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa
 # The bf16 wgmma loop fed by cp.async (the copy-engine form is the default).
@@ -70,7 +76,8 @@ step check-sync check.log env M3RT_SYNC_CHECK=1 "$BUILD_DIR/m3rt" check --device
 # A build without sm_90a code (sm_80 SASS + compute_80 PTX) must take the portable paths on Hopper.
 SM80_BUILD="cmake -S . -B $BUILD_DIR-sm80 -G Ninja -DCMAKE_BUILD_TYPE=Release -DM3RT_BUILD_TESTS=OFF '-DM3RT_CUDA_GENCODE=-gencode=arch=compute_80,code=sm_80;-gencode=arch=compute_80,code=compute_80' -DM3RT_GIT_COMMIT=${M3RT_GIT_COMMIT:-} >/dev/null && cmake --build $BUILD_DIR-sm80 -j $(nproc) --target m3rt >/dev/null"
 [ -n "${SKIP_BUILD:-}" ] && SM80_BUILD="test -x $BUILD_DIR-sm80/m3rt"
-step check-sm80-build check.log bash -c "$SM80_BUILD && $BUILD_DIR-sm80/m3rt check --device cuda --filter msa && $BUILD_DIR-sm80/m3rt check --device cuda --filter indexer"
+SM80_RUN="env LD_LIBRARY_PATH=$BUILD_DIR-sm80${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} $BUILD_DIR-sm80/m3rt"  # its own libm3rt
+step check-sm80-build check.log bash -c "$SM80_BUILD && $SM80_RUN check --device cuda --filter msa && $SM80_RUN check --device cuda --filter indexer"
 if [ -n "$SAN" ]; then
   for tool in memcheck racecheck initcheck synccheck; do
     step "sanitizer-$tool" sanitizer.log "$SAN" --tool "$tool" --error-exitcode 9 "$BUILD_DIR/m3rt" check --device cuda

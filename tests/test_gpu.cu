@@ -939,7 +939,7 @@ TEST(GpuMsaDecode1, TwoGroupsMatchOneGroupAndReplayBitwise) {
     groups("2", [&] { EXPECT_EQ(plan_splits(), splits ? 2 : 1); });
     std::unique_ptr<MsaDecodeCase> one, two;
     groups("1", [&] { one = std::make_unique<MsaDecodeCase>(true, 1, 40); });  // the rule's splits
-    groups("2", [&] { two = std::make_unique<MsaDecodeCase>(true, 1, 40); });  // unsplit
+    groups("2", [&] { two = std::make_unique<MsaDecodeCase>(true, 1, 40); });  // unsplit, or the forced two
     cudaStream_t st = nullptr;
     CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     one->refill();  // both generators step together: every round gives both the same inputs

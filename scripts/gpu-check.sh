@@ -8,9 +8,10 @@
 # further (a device call has 10 minutes): STEPS, an extended regex, runs only the steps whose names
 # match (the others are listed as skipped), and SKIP_BUILD=1 takes the binaries already in
 # $BUILD_DIR (and $BUILD_DIR-sm80 for the sm_80 step) instead of building them — e.g. built
-# elsewhere and copied without their object files:
-#   SKIP_BUILD=1 BUILD_DIR=prebuilt STEPS='^(ctest|check.*)$' scripts/gpu-check.sh
-#   SKIP_BUILD=1 BUILD_DIR=prebuilt STEPS='^sanitizer' scripts/gpu-check.sh
+# elsewhere and copied without their object files by scripts/gpu-prebuilt.sh (to
+# build-gpu-prebuilt[-sm80]):
+#   SKIP_BUILD=1 BUILD_DIR=build-gpu-prebuilt STEPS='^(ctest|check.*)$' scripts/gpu-check.sh
+#   SKIP_BUILD=1 BUILD_DIR=build-gpu-prebuilt STEPS='^sanitizer' scripts/gpu-check.sh
 # (with SKIP_BUILD the ctest step runs every $BUILD_DIR/tests/test_* binary itself).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +41,7 @@ COMMIT=${M3RT_GIT_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo un
 echo "commit $COMMIT  $(date -u +%FT%TZ)" >>"$OUT/summary.txt"
 if [ -n "${SKIP_BUILD:-}" ]; then
   export LD_LIBRARY_PATH=$(cd "$BUILD_DIR" && pwd)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}  # its libm3rt
+  export M3RT_SOURCE_DIR=$PWD  # the fuzz corpora the tests replay (tests/source_dir.h)
   [ -x "$BUILD_DIR/m3rt" ] || { echo "SKIP_BUILD=1: no $BUILD_DIR/m3rt" | tee -a "$OUT/summary.txt"; exit 1; }
   NAMES+=("build"); RESULTS+=("skipped (SKIP_BUILD: $BUILD_DIR)")
 else

@@ -17,6 +17,7 @@
 #include "m3rt/dspark_config.h"
 #include "m3rt/error.h"
 #include "core/temp_dir.h"
+#include "source_dir.h"
 
 namespace {
 
@@ -586,8 +587,7 @@ TEST(DsparkConfig, FileErrorsNameThePath) {
 // Every input of the fuzzer's corpus (scripts/fuzz.sh dspark_config) parses or raises m3rt::Error,
 // and a config that parses reads back the same through dspark_config_json.
 TEST(DsparkConfig, FuzzCorpusNeverCrashes) {
-  const std::filesystem::path corpus =
-      std::filesystem::path(M3RT_SOURCE_DIR) / "tests" / "fuzz" / "corpus" / "dspark_config";
+  const std::filesystem::path corpus = m3rt_source_dir() / "tests" / "fuzz" / "corpus" / "dspark_config";
   ASSERT_TRUE(std::filesystem::is_directory(corpus)) << corpus;
   int files = 0, parsed = 0;
   for (const auto& entry : std::filesystem::directory_iterator(corpus)) {

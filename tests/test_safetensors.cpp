@@ -16,6 +16,7 @@
 #include "core/temp_dir.h"
 #include "m3rt/safetensors.h"
 #include "model/safetensors_parse.h"
+#include "source_dir.h"
 
 namespace {
 
@@ -190,7 +191,7 @@ TEST(Safetensors, EmptyHeaderAndEmptyTensorsParse) {
 // Every input of the fuzzer's corpus parses or raises m3rt::Error (the fuzzer found these
 // interesting; replaying them keeps the coverage in CI).
 TEST(Safetensors, FuzzCorpusNeverCrashes) {
-  const fs::path corpus = fs::path(M3RT_SOURCE_DIR) / "tests" / "fuzz" / "corpus" / "safetensors";
+  const fs::path corpus = m3rt_source_dir() / "tests" / "fuzz" / "corpus" / "safetensors";
   ASSERT_TRUE(fs::is_directory(corpus)) << corpus;
   int files = 0;
   for (const auto& entry : fs::directory_iterator(corpus)) {

@@ -2377,6 +2377,7 @@ struct KernelConfig {
   KernelFn cluster_fn;  // the same kernel launched as clusters of the splits (merge through DSMEM)
   int threads, stages, smem;
   int cluster_threads;  // cluster_fn's (fn's, but for the e4m3 producer warpgroup: 128 more)
+  int ctas_per_sm;      // dql-1 decode (decode1_config): the CTAs an SM holds (the PDL trigger's rule)
 };
 
 bool use_wgmma(int rows) {
@@ -2570,6 +2571,7 @@ KernelConfig decode1_config(bool fp8, int64_t ctas, bool mixed, bool tma, int sp
     cfg.cluster_fn = msa_decode1_kernel<true, true, true, 2>;  // two splits: a cluster of two
     cfg.threads = cfg.cluster_threads = 2 * kD1Threads;
     cfg.stages = 2;  // a group's
+    cfg.ctas_per_sm = kD1TwoGroupCtas;
     cfg.smem = d1_layout(fp8, 2 * cfg.stages, 2).total + 1024;
     raise_smem_limit({cfg.fn, cfg.cluster_fn}, cfg.smem);
     return cfg;
@@ -2593,6 +2595,7 @@ KernelConfig decode1_config(bool fp8, int64_t ctas, bool mixed, bool tma, int sp
   }
   cfg.threads = cfg.cluster_threads = kD1Threads;
   cfg.stages = stages;
+  cfg.ctas_per_sm = fp8 ? d1_register_ctas(true) : stages == 2 ? 3 : 2;  // bf16: three at two stages
   cfg.smem = d1_layout(fp8, stages).total + (tma ? 1024 : 0);
   raise_smem_limit({cfg.fn, cfg.cluster_fn}, cfg.smem);
   return cfg;
@@ -2768,11 +2771,7 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   // 1.04x / 1.02x, and without the trigger every row ran as without PDL (H200, c8ea3ab, bd77f90).
   // The general kernel never triggers (its grid ends at its exit, as without PDL).
   if (pdl && d1) {
-    // The CTAs an SM holds (decode1_config's stages): e4m3 four (two of two groups); bf16 three at
-    // two stages, else two.
-    const int per_sm = p.fp8 ? (cfg.threads > kD1Threads ? kD1TwoGroupCtas : d1_register_ctas(true))
-                             : cfg.stages == 2 ? 3 : 2;
-    const int64_t sms = detail::multiprocessor_count(), slots = sms * per_sm;
+    const int64_t sms = detail::multiprocessor_count(), slots = sms * cfg.ctas_per_sm;
     call.pdl_trigger = 2 * ctas <= sms || 20 * ctas >= 19 * slots;
   }
   if (cluster || pdl) {

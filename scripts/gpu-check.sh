@@ -15,6 +15,7 @@
 # (with SKIP_BUILD the ctest step runs every $BUILD_DIR/tests/test_* binary itself).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+. scripts/gpu-builds.sh
 OUT=${OUT:-/tmp/m3rt-gpu}
 BUILD_DIR=${BUILD_DIR:-build-gpu}
 mkdir -p "$OUT"
@@ -45,10 +46,20 @@ if [ -n "${SKIP_BUILD:-}" ]; then
   [ -x "$BUILD_DIR/m3rt" ] || { echo "SKIP_BUILD=1: no $BUILD_DIR/m3rt" | tee -a "$OUT/summary.txt"; exit 1; }
   NAMES+=("build"); RESULTS+=("skipped (SKIP_BUILD: $BUILD_DIR)")
 else
-  step build build.log bash -c "cmake -S . -B $BUILD_DIR -G Ninja -DCMAKE_BUILD_TYPE=Release -DM3RT_BUILD_TESTS=ON -DM3RT_GIT_COMMIT=${M3RT_GIT_COMMIT:-} && cmake --build $BUILD_DIR -j $(nproc)" || { cat "$OUT/build.log" | tail -40; exit 1; }
+  step build build.log m3rt_build_default "$BUILD_DIR" || { tail -40 "$OUT/build.log"; exit 1; }
 fi
+run_test_binaries() {  # every test binary in $BUILD_DIR/tests; non-zero if one fails
+  local t rc=0 n=0
+  for t in "$BUILD_DIR"/tests/test_*; do
+    [ -f "$t" ] && [ -x "$t" ] || continue
+    n=$((n + 1))
+    "$t" || rc=1
+  done
+  echo "$n test binaries, rc $rc"
+  return $rc
+}
 if [ -n "${SKIP_BUILD:-}" ]; then  # a copied build's CTest files name the paths it was built at
-  step ctest ctest.log bash -c "rc=0; n=0; for t in $BUILD_DIR/tests/test_*; do [ -f \"\$t\" ] && [ -x \"\$t\" ] || continue; n=\$((n + 1)); \"\$t\" || rc=1; done; echo \"\$n test binaries, rc \$rc\"; exit \$rc"
+  step ctest ctest.log run_test_binaries
 else
   step ctest ctest.log bash -c "cd $BUILD_DIR && ctest --output-on-failure -j 4"
 fi
@@ -76,10 +87,13 @@ step check-d1-two-groups-split check.log env M3RT_MSA_D1_GROUPS=2 M3RT_MSA_SPLIT
 step check-msa-split-grid check.log env M3RT_MSA_MIXED=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode
 step check-sync check.log env M3RT_SYNC_CHECK=1 "$BUILD_DIR/m3rt" check --device cuda
 # A build without sm_90a code (sm_80 SASS + compute_80 PTX) must take the portable paths on Hopper.
-SM80_BUILD="cmake -S . -B $BUILD_DIR-sm80 -G Ninja -DCMAKE_BUILD_TYPE=Release -DM3RT_BUILD_TESTS=OFF '-DM3RT_CUDA_GENCODE=-gencode=arch=compute_80,code=sm_80;-gencode=arch=compute_80,code=compute_80' -DM3RT_GIT_COMMIT=${M3RT_GIT_COMMIT:-} >/dev/null && cmake --build $BUILD_DIR-sm80 -j $(nproc) --target m3rt >/dev/null"
-[ -n "${SKIP_BUILD:-}" ] && SM80_BUILD="test -x $BUILD_DIR-sm80/m3rt"
-SM80_RUN="env LD_LIBRARY_PATH=$BUILD_DIR-sm80${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} $BUILD_DIR-sm80/m3rt"  # its own libm3rt
-step check-sm80-build check.log bash -c "$SM80_BUILD && $SM80_RUN check --device cuda --filter msa && $SM80_RUN check --device cuda --filter indexer"
+check_sm80() {  # built here unless SKIP_BUILD; the CLI with its own libm3rt
+  local d=$BUILD_DIR-sm80
+  if [ -n "${SKIP_BUILD:-}" ]; then test -x "$d/m3rt" || return 1; else m3rt_build_sm80 "$d" >/dev/null || return 1; fi
+  local run=(env "LD_LIBRARY_PATH=$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$d/m3rt")
+  "${run[@]}" check --device cuda --filter msa && "${run[@]}" check --device cuda --filter indexer
+}
+step check-sm80-build check.log check_sm80
 if [ -n "$SAN" ]; then
   for tool in memcheck racecheck initcheck synccheck; do
     step "sanitizer-$tool" sanitizer.log "$SAN" --tool "$tool" --error-exitcode 9 "$BUILD_DIR/m3rt" check --device cuda

@@ -1,19 +1,16 @@
 #!/usr/bin/env bash
 # On a machine with nvcc but no GPU: build what scripts/gpu-check.sh runs (its default build and
 # the sm_80-only one) and copy the binaries alone, without object files, to DEST (default
-# build-gpu-prebuilt, git-ignored) and DEST-sm80: ~40 MB, small enough to carry to a GPU machine.
+# build-gpu-prebuilt, git-ignored) and DEST-sm80: ~54 MB, small enough to carry to a GPU machine.
 # There: SKIP_BUILD=1 BUILD_DIR=DEST STEPS=... scripts/gpu-check.sh (see its header).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:-build-gpu-prebuilt}
 B=${BUILD_DIR:-build-prebuilt}
-COMMIT=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
-cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DM3RT_BUILD_TESTS=ON -DM3RT_GIT_COMMIT="$COMMIT" >/dev/null
-cmake --build "$B" -j "$(nproc)"
-cmake -S . -B "$B-sm80" -G Ninja -DCMAKE_BUILD_TYPE=Release -DM3RT_BUILD_TESTS=OFF \
-  '-DM3RT_CUDA_GENCODE=-gencode=arch=compute_80,code=sm_80;-gencode=arch=compute_80,code=compute_80' \
-  -DM3RT_GIT_COMMIT="$COMMIT" >/dev/null
-cmake --build "$B-sm80" -j "$(nproc)" --target m3rt
+. scripts/gpu-builds.sh
+export M3RT_GIT_COMMIT=${M3RT_GIT_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
+m3rt_build_default "$B"
+m3rt_build_sm80 "$B-sm80"
 rm -rf "$DEST" "$DEST-sm80"
 mkdir -p "$DEST/tests" "$DEST-sm80"
 cp -P "$B"/libm3rt.so* "$B/m3rt" "$B/m3rt_access_ceiling" "$B/m3rt_fp8_wgmma_precision" "$DEST/"
@@ -21,5 +18,5 @@ for t in "$B"/tests/test_*; do
   if [ -f "$t" ] && [ -x "$t" ]; then cp "$t" "$DEST/tests/"; fi
 done
 cp -P "$B-sm80"/libm3rt.so* "$B-sm80/m3rt" "$DEST-sm80/"
-echo "$COMMIT" >"$DEST/COMMIT"
+echo "$M3RT_GIT_COMMIT" >"$DEST/COMMIT"
 du -sh "$DEST" "$DEST-sm80"

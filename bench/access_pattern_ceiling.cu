@@ -28,7 +28,7 @@
 #include <vector>
 #include <algorithm>
 #include <random>
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
+#include "standalone_check.h"
 constexpr int L = 5, NKV = 4, P = L * NKV, ROW = P * 2 * 128;  // elements per token
 __device__ __forceinline__ uint32_t su32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ void cpa16(uint32_t s, const void* g) { asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(g)); }

@@ -23,14 +23,7 @@
 
 #include "ops/common/sm90.cuh"
 
-#define CK(x)                                                                    \
-  do {                                                                           \
-    cudaError_t e = (x);                                                         \
-    if (e != cudaSuccess) {                                                      \
-      std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e));      \
-      std::exit(1);                                                              \
-    }                                                                            \
-  } while (0)
+#include "standalone_check.h"
 
 namespace {
 

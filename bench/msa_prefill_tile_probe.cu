@@ -34,6 +34,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <numeric>
 #include <random>
 #include <set>
@@ -356,14 +357,14 @@ Problem make_problem(int L, std::mt19937_64& rng) {
       p.lists[size_t(t) * kHkv + h].assign(pick.begin(), pick.end());
       for (int32_t id : pick) p.flops += double(std::min(kPage, t + 1 - id * kPage)) * kDim * 4 * kG;
     }
+  std::map<int32_t, int> mask;  // a group's union: id -> the mask of its tokens that selected it
   for (int h = 0; h < kHkv; ++h)
     for (int g = 0; g < p.groups; ++g) {
-      std::vector<int> mask(size_t(p.pages), 0);
+      mask.clear();
       for (int w = 0; w < kGroupTokens && g * kGroupTokens + w < L; ++w)
-        for (int32_t id : p.lists[size_t(g * kGroupTokens + w) * kHkv + h]) mask[size_t(id)] |= 1 << w;
+        for (int32_t id : p.lists[size_t(g * kGroupTokens + w) * kHkv + h]) mask[id] |= 1 << w;
       p.offsets.push_back(int(p.entries.size()));
-      for (int id = 0; id < p.pages; ++id)
-        if (mask[size_t(id)]) p.entries.push_back(make_int2(p.table[size_t(id)], id | (mask[size_t(id)] << 16)));
+      for (const auto& [id, tokens] : mask) p.entries.push_back(make_int2(p.table[size_t(id)], id | (tokens << 16)));
     }
   p.offsets.push_back(int(p.entries.size()));
   p.union_pages = double(p.entries.size());
@@ -414,6 +415,8 @@ float time_ms(const Args& a, dim3 grid) {
     ms.push_back(x);
   }
   CK(cudaGetLastError());
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
 }

@@ -37,3 +37,11 @@ function(m3rt_set_flags tgt)
   target_compile_options(${tgt} PRIVATE "$<$<COMPILE_LANGUAGE:CXX>:${cxx_flags}>"
                                         "$<$<COMPILE_LANGUAGE:CUDA>:${cuda_flags}>")
 endfunction()
+
+# Targets whose code asks kernels::hopper_paths_run() (src/ops/common/sm90.cuh) learn whether this
+# build carries sm_90a code, so that they answer as the library's launchers do.
+function(m3rt_sm90a_code tgt)
+  if(M3RT_CUDA_GENCODE MATCHES "(sm|compute)_90a")
+    target_compile_definitions(${tgt} PRIVATE M3RT_SM90A_CODE=1)
+  endif()
+endfunction()

@@ -217,10 +217,7 @@ __global__ void __launch_bounds__(kThreads, 1) probe_kernel(const __grid_constan
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e2 = 0; e2 < 2; ++e2) {
-          float v = mx[nt][e2];
-          v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
-          v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 8));
-          v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
+          const float v = reduce_accumulator_column(mx[nt][e2], [](float x, float y) { return fmaxf(x, y); });
           const float mn = fmaxf(m[nt][e2], v);  // finite: the chunk has a visible key (key0 <= pos)
           alpha[nt][e2] = exp2f(m[nt][e2] - mn);
           m[nt][e2] = mn;
@@ -285,10 +282,7 @@ __global__ void __launch_bounds__(kThreads, 1) probe_kernel(const __grid_constan
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e2 = 0; e2 < 2; ++e2) {
-        float v = l[nt][e2];
-        v += __shfl_xor_sync(0xffffffffu, v, 4);
-        v += __shfl_xor_sync(0xffffffffu, v, 8);
-        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        const float v = reduce_accumulator_column(l[nt][e2], [](float x, float y) { return x + y; });
         inv[nt][e2] = v > 0.f ? 1.f / v : 0.f;
       }
     uint16_t* out = a.out + (int64_t(t) * kHq + kv_head * kG) * kDim;

@@ -56,4 +56,13 @@ __device__ __forceinline__ void cp_async_16z(void* smem, const void* gmem, int s
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(src_bytes));
 }
 
+// A column of an m16n8 accumulator block (a lane's element c of rows lane / 4 and + 8) reduced
+// over its rows: op across the 8 lanes with the same lane % 4 (xor 4, 8, 16), whole warp.
+template <class Op>
+__device__ __forceinline__ float reduce_accumulator_column(float v, Op op) {
+  v = op(v, __shfl_xor_sync(0xffffffffu, v, 4));
+  v = op(v, __shfl_xor_sync(0xffffffffu, v, 8));
+  return op(v, __shfl_xor_sync(0xffffffffu, v, 16));
+}
+
 }  // namespace m3rt::kernels

@@ -88,7 +88,9 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env);
 std::vector<BenchRow> bench_msa_attention_draft(BenchEnv& env);  // the drafter's attention shape
 std::vector<BenchRow> bench_dspark_draft(BenchEnv& env);  // src/model/bench_dspark_draft.cu
 
-// Runs every bench whose op name contains `filter`.
+// The bench op names, in the order of the rows; run_benches runs each whose name contains
+// `filter` (throws m3rt::Error, listing them, when it matches none).
+std::vector<std::string> bench_op_names();
 std::vector<BenchRow> run_benches(BenchEnv& env, const std::string& filter);
 
 }  // namespace m3rt::bench

@@ -11,6 +11,7 @@
 
 #include "bench.h"
 #include "core/cuda_check.h"
+#include "core/validate.h"
 #include "m3rt/error.h"
 
 namespace m3rt::bench {
@@ -251,31 +252,34 @@ int sets_beyond_l2(double bytes_per_set, int max_sets) {
   return std::clamp(int(want / std::max(bytes_per_set, 1.0)) + 1, 1, max_sets);
 }
 
+namespace {
+struct BenchEntry {
+  const char* op;
+  std::vector<BenchRow> (*fn)(BenchEnv&);
+};
+// Table order is the order of `m3rt bench`'s rows.
+constexpr BenchEntry kBenches[] = {
+    {"dspark_context_kv_write", [](BenchEnv& env) { return bench_dspark_context_kv(env); }},
+    {"qknorm_rope_kv_insert", [](BenchEnv& env) { return bench_qknorm_rope_kv_insert(env); }},
+    {"lightning_indexer", bench_lightning_indexer},
+    {"msa_attention", bench_msa_attention},
+    {"msa_attention_draft", bench_msa_attention_draft},
+    {"dspark_draft", bench_dspark_draft},
+};
+}  // namespace
+
+std::vector<std::string> bench_op_names() {
+  std::vector<std::string> names;
+  for (const BenchEntry& e : kBenches) names.emplace_back(e.op);
+  return names;
+}
+
 std::vector<BenchRow> run_benches(BenchEnv& env, const std::string& filter) {
+  detail::require_filter_matches("bench", filter, bench_op_names());
   std::vector<BenchRow> rows;
-  auto want = [&](const char* op) { return filter.empty() || std::string(op).find(filter) != std::string::npos; };
-  if (want("dspark_context_kv_write")) {
-    auto r = bench_dspark_context_kv(env);
-    rows.insert(rows.end(), r.begin(), r.end());
-  }
-  if (want("qknorm_rope_kv_insert")) {
-    auto r = bench_qknorm_rope_kv_insert(env);
-    rows.insert(rows.end(), r.begin(), r.end());
-  }
-  if (want("lightning_indexer")) {
-    auto r = bench_lightning_indexer(env);
-    rows.insert(rows.end(), r.begin(), r.end());
-  }
-  if (want("msa_attention")) {
-    auto r = bench_msa_attention(env);
-    rows.insert(rows.end(), r.begin(), r.end());
-  }
-  if (want("msa_attention_draft")) {
-    auto r = bench_msa_attention_draft(env);
-    rows.insert(rows.end(), r.begin(), r.end());
-  }
-  if (want("dspark_draft")) {
-    auto r = bench_dspark_draft(env);
+  for (const BenchEntry& e : kBenches) {
+    if (std::string(e.op).find(filter) == std::string::npos) continue;
+    auto r = e.fn(env);
     rows.insert(rows.end(), r.begin(), r.end());
   }
   return rows;

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "m3rt/check.h"
+#include "m3rt/error.h"
 #include "m3rt/tensor.h"
 
 namespace {
@@ -47,6 +48,27 @@ TEST(Check, TableNamesEveryOp) {
                                          "indexer_prefill", "indexer_decode", "msa_prefill",
                                          "msa_decode", "dspark_draft"};
   EXPECT_EQ(check_op_names(), want);
+}
+
+// A filter that selects no op is an error naming it and the ops, not an empty run that passes
+// (the bench's op names, e.g. lightning_indexer, are not the check's).
+TEST(Check, FilterMatchingNoOpThrows) {
+  CheckOptions opt;
+  opt.seed = 1;
+  opt.filter = "lightning_indexer";
+  try {
+    run_checks({Device::cpu()}, opt);
+    FAIL() << "no exception";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "check: --filter = 'lightning_indexer': matches no op; supported: a part of one of "
+              "reshape_and_cache, gemma_rms_norm, swiglu_oai, dspark_context_kv_write, "
+              "qknorm_rope_kv_insert, indexer_prefill, indexer_decode, msa_prefill, msa_decode, dspark_draft");
+  }
+  opt.filter = "swiglu";  // a part of one name runs that op
+  const auto rows = run_checks({Device::cpu()}, opt);
+  ASSERT_FALSE(rows.empty());
+  for (const auto& r : rows) EXPECT_EQ(r.op, "swiglu_oai");
 }
 
 }  // namespace

@@ -31,13 +31,14 @@ struct CheckRow {
 
 struct CheckOptions {
   uint64_t seed = 0;   // 0: draw a fresh seed from the clock
-  std::string filter;  // run only ops whose name contains this
+  std::string filter;  // run only ops whose name contains this (one that matches none throws)
 };
 
 // Whether the op's check has GPU rows (false: no GPU path yet; GPU devices skip it).
 bool check_op_has_gpu(const std::string& op);
 
-// Runs every check on each device; never throws for an op failure (it becomes a failing row).
+// Runs every check on each device; never throws for an op failure (it becomes a failing row);
+// throws m3rt::Error when options.filter matches no op.
 std::vector<CheckRow> run_checks(const std::vector<Device>& devices, const CheckOptions& options,
                                  uint64_t* seed_used = nullptr);
 

@@ -2,6 +2,7 @@
 #include <chrono>
 
 #include "check/check_cases.h"
+#include "core/validate.h"
 #include "m3rt/check.h"
 #include "m3rt/error.h"
 
@@ -42,6 +43,7 @@ bool check_op_has_gpu(const std::string& op) {
 
 std::vector<CheckRow> run_checks(const std::vector<Device>& devices, const CheckOptions& options,
                                  uint64_t* seed_used) {
+  detail::require_filter_matches("check", options.filter, check_op_names());
   uint64_t seed = options.seed;
   if (seed == 0)
     seed = uint64_t(std::chrono::high_resolution_clock::now().time_since_epoch().count()) | 1u;

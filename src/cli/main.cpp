@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "core/temp_dir.h"
+#include "core/validate.h"
 #include "m3rt/check.h"
 #include "m3rt/dspark_checkpoint.h"
 #include "m3rt/dspark_model.h"
@@ -38,7 +39,8 @@ using namespace m3rt;
 const char* kUsage =
     "usage: m3rt <command> [options]\n"
     "  check [--device cpu|cuda|all] [--seed N] [--filter OP]\n"
-    "        run every op's correctness check on fresh random inputs (default: all devices)\n"
+    "        run every op's correctness check on fresh random inputs (default: all devices);\n"
+    "        --filter OP: the ops whose name contains OP (one that matches none is an error)\n"
     "  bench [--filter OP] [--json FILE] [--quick]\n"
     "        GPU benchmarks: us, bytes, GB/s, % of the measured copy ceiling, ratios to baselines\n"
     "  make-tiny-draft DIR [--mxfp8] [--seed N]\n"
@@ -138,6 +140,7 @@ int cmd_bench(Args& a) {
     else throw Error("bench: unknown option '" + f + "'");
   }
 #ifdef M3RT_WITH_CUDA
+  detail::require_filter_matches("bench", filter, bench::bench_op_names());  // before any GPU work
   if (cuda_device_count() == 0) throw Error("bench: no CUDA device is present");
   bench::BenchEnv env;
   env.gpu = cuda_device_name(0);

@@ -126,6 +126,15 @@ void require_below_2_31(const char* op, const char* what, int64_t value) {
     throw_arg_error(op, what, std::to_string(value), "supported: [0, 2^31) (the kernel indexes it in 32 bits)");
 }
 
+void require_filter_matches(const char* op, const std::string& filter, const std::vector<std::string>& names) {
+  std::string list;
+  for (const std::string& n : names) {
+    if (n.find(filter) != std::string::npos) return;
+    list += (list.empty() ? "" : ", ") + n;
+  }
+  throw_arg_error(op, "--filter", "'" + filter + "'", "matches no op; supported: a part of one of " + list);
+}
+
 KvCacheGeometry require_kv_cache(const char* op, const TensorView& kv_cache,
                                  KvCacheDtype kv_cache_dtype, int num_kv_heads, Device device) {
   require_defined(op, "kv_cache", kv_cache);

@@ -3,11 +3,12 @@
 //
 // defines: require_defined, require_dtype, require_shape, require_same_device, require_scale,
 //          require_kv_cache, require_rope_table, require_index_vector, require_below_2_31,
-//          KvCacheGeometry.
+//          require_filter_matches, KvCacheGeometry.
 #pragma once
 
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "m3rt/error.h"
 #include "m3rt/ops.h"
@@ -41,6 +42,9 @@ void require_rope_table(const char* op, const TensorView& cos_sin_cache, int rot
 void require_aligned16(const char* op, const char* name, const TensorView& v);
 // A size or count a kernel indexes in 32 bits: [0, 2^31) (no GPU's memory holds more today).
 void require_below_2_31(const char* op, const char* what, int64_t value);
+// A name filter (`--filter`) selects by substring; one that selects none of `names` is an error
+// listing them (a run that silently does nothing would read as a pass).
+void require_filter_matches(const char* op, const std::string& filter, const std::vector<std::string>& names);
 
 // log2 of a power of two.
 inline int log2_pow2(int64_t v) {

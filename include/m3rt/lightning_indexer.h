@@ -29,7 +29,10 @@ struct IndexerSelection {
 };
 
 // Capacities of one indexer: the scratch of GPU runs is allocated once, at construction, at a
-// stable address (CUDA-graph safe); calls are checked against these limits.
+// stable address (CUDA-graph safe); calls are checked against these limits. Every GPU call of one
+// indexer uses that scratch (score rows, per-request arrival counters), so its calls must run one
+// after another in stream order: calls that may overlap (two streams without an event between
+// them, two graphs replayed on different streams) need an indexer each.
 struct IndexerConfig {
   int num_index_heads = 4;                         // Hidx, 1..16
   IndexerSelection select{};

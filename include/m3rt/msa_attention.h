@@ -89,7 +89,9 @@ struct MsaDecodeArgs {
 // What a decode plan is built for: calls must match it (checked), so graphs captured with a plan
 // replay with the same grid. Built once per shape on its device, outside capture; on a GPU it picks
 // how many CTAs share each request's pages (from the device's size) and owns their fp32 partials
-// at a stable address; run() allocates nothing and never synchronizes.
+// at a stable address; run() allocates nothing and never synchronizes. Split runs of one plan
+// share those partials and arrival counters, so its runs must follow one another in stream order:
+// runs that may overlap (two streams without an event between them) need a plan each.
 struct MsaDecodeShape {
   int batch = 0;               // requests per call
   int decode_query_len = 1;    // 1..32

@@ -103,7 +103,7 @@ Tensor stack_rows(const std::vector<Tensor>& parts, int64_t cols) {
 }
 
 // The first n rows of a contiguous buffer, viewed with `shape` (shape[0] replaced by n).
-TensorView rows(const Tensor& t, int64_t n, std::vector<int64_t> shape = {}) {
+[[maybe_unused]] TensorView rows(const Tensor& t, int64_t n, std::vector<int64_t> shape = {}) {
   if (shape.empty()) shape = t.view().sizes();
   shape[0] = n;
   return TensorView::contiguous(t.data(), t.view().dtype, shape, t.device());
@@ -125,7 +125,7 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-int64_t pow2_at_least(int64_t n) {
+[[maybe_unused]] int64_t pow2_at_least(int64_t n) {
   int64_t p = 1;
   while (p < n) p *= 2;
   return p;
@@ -379,7 +379,8 @@ int DsparkModel::graphs_captured() const {
 
 // ---- the forward, shared by both devices --------------------------------------------------------
 
-void DsparkModel::Impl::linear(const TensorView& y, const TensorView& x, const TensorView& w, stream_t s, bool tune) {
+void DsparkModel::Impl::linear(const TensorView& y, const TensorView& x, const TensorView& w,
+                               [[maybe_unused]] stream_t s, [[maybe_unused]] bool tune) {
   if (!on_gpu()) return linear_cpu(y, x, w);
 #ifdef M3RT_WITH_CUDA
   gpu->gemm.run(y, x, w, s, tune && opt.tune_gemms);

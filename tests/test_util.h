@@ -206,4 +206,38 @@ void expect_throws_and_untouched(Call& call, const std::vector<TensorView>& watc
     EXPECT_EQ(bytes_of(watched[i]), before[i]) << "tensor " << i << " was written before the error";
 }
 
+// ---- random device-resident indices on the CPU path: run, or throw and write nothing -----------
+
+// Random contents for an int32 or int64 index tensor: each element in [lo, hi] about four times in
+// five, else -1, a large negative value or a value past hi (what a buggy engine could pass).
+void wild_fill(const TensorView& v, std::mt19937_64& g, int64_t lo, int64_t hi);
+
+// `rounds` fresh calls, each randomized by `fill`: every call either runs or throws m3rt::Error
+// (anything else fails), and an error leaves every watched tensor as it was. Both outcomes must
+// occur (else the randomization missed one path and the test proves nothing). Under
+// scripts/sanitize.sh a read or write out of bounds on either path fails too.
+template <class Call>
+void expect_runs_or_throws_untouched(int rounds, uint64_t seed, const std::function<void(Call&, std::mt19937_64&)>& fill,
+                                     const std::function<std::vector<TensorView>(Call&)>& watched) {
+  std::mt19937_64 g(seed);
+  int ran = 0, threw = 0;
+  for (int i = 0; i < rounds; ++i) {
+    Call call;
+    fill(call, g);
+    const std::vector<TensorView> w = watched(call);
+    std::vector<std::vector<uint8_t>> before;
+    for (const TensorView& v : w) before.push_back(bytes_of(v));
+    try {
+      call.call();
+      ++ran;
+    } catch (const Error&) {
+      ++threw;
+      for (size_t k = 0; k < w.size(); ++k)
+        ASSERT_EQ(bytes_of(w[k]), before[k]) << "round " << i << ": tensor " << k << " was written before the error";
+    }
+  }
+  EXPECT_GT(ran, 0) << "no round ran";
+  EXPECT_GT(threw, 0) << "no round threw";
+}
+
 }  // namespace m3rt_test

@@ -476,6 +476,22 @@ TEST(OutOfRange, DsparkSlotAndPosition) {
   }
 }
 
+// Random positions and slots: the CPU path runs, or throws before writing anything; under
+// scripts/sanitize.sh it also never reads or writes out of bounds.
+TEST(OutOfRange, DsparkRandomIndicesRunOrThrowUntouched) {
+  expect_runs_or_throws_untouched<DsparkCall>(
+      300, 41,
+      [](DsparkCall& c, std::mt19937_64& g) {
+        wild_fill(c.a.positions, g, 0, 63);
+        wild_fill(c.a.slot_mapping, g, -1, 63);
+      },
+      [](DsparkCall& c) {
+        std::vector<TensorView> w{c.a.all_kv};
+        for (const auto& l : c.layers.layers) w.push_back(l.kv_cache);
+        return w;
+      });
+}
+
 }  // namespace
 
 // The launchers of the kernels that index in 32 bits (this writer, qknorm_rope_kv_insert) refuse

@@ -483,4 +483,25 @@ TEST(OutOfRange, QknormSlotAndPosition) {
   }
 }
 
+// Random positions and slots (dense rows with an fp8 insert; sparse rows with the index insert):
+// the CPU path runs, or throws before writing anything; under scripts/sanitize.sh it also never
+// reads or writes out of bounds.
+TEST(OutOfRange, QknormRandomIndicesRunOrThrowUntouched) {
+  expect_runs_or_throws_untouched<QkCall>(
+      300, 31,
+      [](QkCall& c, std::mt19937_64& g) {
+        wild_fill(c.a.positions, g, 0, 15);
+        wild_fill(c.a.slot_mapping, g, -1, 31);
+      },
+      [](QkCall& c) { return std::vector<TensorView>{c.a.qkv, c.a.q_fp8_out, c.a.kv_cache}; });
+  expect_runs_or_throws_untouched<QkSparseCall>(
+      300, 32,
+      [](QkSparseCall& c, std::mt19937_64& g) {
+        if (g() & 1) c.fp8_index();
+        wild_fill(c.a.positions, g, 0, 15);
+        wild_fill(c.a.index_slot_mapping, g, -1, 255);
+      },
+      [](QkSparseCall& c) { return std::vector<TensorView>{c.a.qkv, c.a.index_q_out, c.a.index_cache}; });
+}
+
 }  // namespace

@@ -86,4 +86,12 @@ TEST(OutOfRange, ReshapeAndCacheSlot) {
   }
 }
 
+// Random slots: the CPU path runs, or throws before writing anything; under scripts/sanitize.sh it
+// also never reads or writes out of bounds.
+TEST(OutOfRange, ReshapeAndCacheRandomSlotsRunOrThrowUntouched) {
+  expect_runs_or_throws_untouched<RacCall>(
+      300, 51, [](RacCall& c, std::mt19937_64& g) { wild_fill(c.slots, g, -1, 63); },
+      [](RacCall& c) { return std::vector<TensorView>{c.cache}; });
+}
+
 }  // namespace

@@ -12,6 +12,8 @@
 //     two-group CTAs agree with one group's and replay bitwise;
 //   - the MSA kernels' e4m3 -> f16 conversion equals CUDA's on every 32-bit word;
 //   - the QK insert leaves a token whose position lies outside the RoPE table unwritten;
+//   - garbage device-resident indices (lengths, query offsets, tables, top-k ids, slots,
+//     positions) never fault a kernel (compute-sanitizer memcheck in gpu-check checks the accesses);
 // One host-only test runs everywhere: the one-wave grid rule of the loop-walking kernels' launchers.
 // The ops' GPU-vs-CPU checks run from test_check.cpp (the `m3rt check` registry).
 #include <cuda_bf16.h>
@@ -39,6 +41,7 @@
 #include "ops/lightning_indexer/indexer_compare.h"
 #include "ops/lightning_indexer/lightning_indexer.h"
 #include "ops/msa_attention/msa_attention.h"
+#include "test_util.h"  // wild_fill
 
 namespace {
 
@@ -1018,6 +1021,85 @@ TEST(GpuMsaDecode1, CopyEngineChunksMatchCpAsyncChunksBitwise) {
     }
   }
   CUDA_OK(cudaStreamDestroy(st));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Garbage device-resident indices, as a buggy engine could pass them (negative, past the tables and
+// caches, 2^40; m3rt_test::wild_fill), with valid shapes: the host checks cannot see them, and every
+// kernel must complete without a fault (its writes confined to the outputs and caches: memcheck over
+// this test in gpu-check). The CPU path throws on such inputs (the RandomIndicesRunOrThrowUntouched
+// tests). Eager calls, 6 rounds a case: the writer and the QK insert (both kernels each), the
+// indexer's decode and prefill, MSA decode (dql 1 and 5) and MSA prefill, bf16 and e4m3.
+TEST(GpuWildIndices, KernelsCompleteOnGarbageIndices) {
+  REQUIRE_GPU();
+  std::mt19937_64 g(2026);
+  auto wild = [&](const Tensor& dev, int64_t lo, int64_t hi) {  // new contents, uploaded in place
+    Tensor h = Tensor::empty(dev.view().sizes(), dev.view().dtype);
+    m3rt_test::wild_fill(h.view(), g, lo, hi);
+    upload(dev, h);
+  };
+  for (bool fp8 : {false, true}) {
+    SCOPED_TRACE(fp8 ? "e4m3" : "bf16");
+    GraphCase w(fp8);
+    DsparkContextKvWriter writer(w.layers);
+    IndexerGraphCase ix(fp8);
+    LightningIndexer indexer(ix.config(), Device::cuda());
+    for (int round = 0; round < 6; ++round) {
+      w.refill();
+      wild(w.positions, 0, GraphCase::max_pos - 1);
+      wild(w.slots, -1, GraphCase::nb * GraphCase::bs - 1);
+      for (const Tensor* t : {&w.qpos, &w.qpos2}) wild(*t, 0, GraphCase::max_pos - 1);
+      for (const Tensor* t : {&w.qslots, &w.qslots2}) wild(*t, -1, GraphCase::nb * GraphCase::bs - 1);
+      w.run(writer, nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+      ix.refill();
+      wild(ix.dseq, 0, IndexerGraphCase::max_blocks * 128);
+      wild(ix.dtable, 0, IndexerGraphCase::pages - 1);
+      wild(ix.pcu, 0, IndexerGraphCase::T);
+      wild(ix.pseq, 0, IndexerGraphCase::max_blocks * 128);
+      wild(ix.ptable, 0, IndexerGraphCase::pages - 1);
+      ix.run(indexer, nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+    }
+    for (int dql : {1, 5}) {
+      MsaDecodeCase d(fp8, dql);
+      for (int round = 0; round < 6; ++round) {
+        d.refill();
+        wild(d.lens, 0, MsaDecodeCase::max_blocks * 128);
+        wild(d.table, 0, d.pages - 1);
+        wild(d.topk, -1, MsaDecodeCase::max_blocks);
+        settle();
+        d.run(nullptr);
+        CUDA_OK(cudaDeviceSynchronize()) << "MSA decode dql " << dql << ", round " << round;
+      }
+    }
+    // MSA prefill: 2 requests x 150 tokens, Hq 32 over Hkv 2 (group 16: the Hopper tiles), topk 8.
+    constexpr int Hq = 32, Hkv = 2, K = 8, B = 2, max_blocks = 12, pages = 30;
+    constexpr int64_t T = 300;
+    const Device gd = Device::cuda();
+    Tensor cache = Tensor::empty({pages, Hkv, 128, 256}, fp8 ? DType::kUInt8 : DType::kBFloat16, gd);
+    Rng rng(5);
+    Tensor q = detail::random_half({T, Hq, 128}, DType::kBFloat16, rng, -1, 1).to(gd);
+    Tensor topk = Tensor::empty({T, Hkv, K}, DType::kInt32, gd), cu = Tensor::empty({B + 1}, DType::kInt32, gd);
+    Tensor lens = Tensor::empty({B}, DType::kInt32, gd), table = Tensor::empty({B, max_blocks}, DType::kInt32, gd);
+    Tensor out = Tensor::empty({T, Hq, 128}, DType::kBFloat16, gd), lse = Tensor::empty({T, Hq}, DType::kFloat32, gd);
+    Tensor ks = detail::scalar_f32(0.8f).to(gd), vs = detail::scalar_f32(1.25f).to(gd);
+    cache.fill_bytes(0x3C);
+    TensorView topk_hm = topk.view();  // [Hkv, T, K] view of the token-major buffer
+    topk_hm.shape[0] = Hkv, topk_hm.shape[1] = T;
+    topk_hm.stride[0] = K, topk_hm.stride[1] = int64_t(Hkv) * K;
+    for (int round = 0; round < 6; ++round) {
+      wild(cu, 0, T);
+      wild(lens, 0, max_blocks * 128);
+      wild(table, 0, pages - 1);
+      wild(topk, -1, max_blocks);
+      settle();
+      msa_prefill({.q = q, .cache = {cache, fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto, ks, vs},
+                   .topk = topk_hm, .cu_seqlens_q = cu, .seq_lens = lens, .block_table = table,
+                   .max_query_len = int(T), .softmax_scale = 0.0883883f, .out = out, .lse = lse});
+      CUDA_OK(cudaDeviceSynchronize()) << "MSA prefill, round " << round;
+    }
+  }
 }
 
 }  // namespace

@@ -243,12 +243,7 @@ __device__ __forceinline__ void d1_share(const MsaParams& p, int stages, char* s
   }
   q_to_fragments<kThreads>(q_s);  // the loop's queries as A fragments (tile_keys16's kQFrag)
   TileState st;
-#pragma unroll
-  for (int j = 0; j < 16; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) st.o[j][e] = 0.f;
-  st.m[0] = st.m[1] = -INFINITY;
-  st.l[0] = st.l[1] = 0.f;
+  st.clear();
   const LaneOffsets off = lane_offsets<kFp8, kTma>(0);
   const int key0 = (kGroups == 1 ? warp : warp % kD1Parts) * 16;  // this warp's keys of every chunk
   int slot = 0, fill = stages - 1;  // the stage read and the stage refilled this iteration

@@ -305,6 +305,15 @@ __device__ __forceinline__ void advance_max(float (&m)[2], float (&mx)[2], float
 struct TileState {
   float o[16][4];
   float m[2], l[2];  // rows g, g + 8: running max (log2 units) and this lane's partial sum
+  // Before the first chunk: no keys seen.
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.f;
+  }
 };
 
 // The 16-row query tile at q_s (rows of 256 bytes, the bf16 swizzle; bf16, or f16 for e4m3 pages)

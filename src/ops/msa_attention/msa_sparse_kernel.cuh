@@ -225,12 +225,7 @@ __global__ void __launch_bounds__(kWarps * 32 + (kWs ? 128 : 0), kWs ? 1 : 8 / k
   const int g = lane / 4;
 
   TileState st;
-#pragma unroll
-  for (int j = 0; j < 16; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) st.o[j][e] = 0.f;
-  st.m[0] = st.m[1] = -INFINITY;
-  st.l[0] = st.l[1] = 0.f;
+  st.clear();
 
   // Fixed per warp and lane: the tile's tokens, each lane row's token and visible key range.
   const int t_first = tile * 16 / G, t_last = min(tile * 16 + 15, max(rows - 1, 0)) / G;

@@ -216,13 +216,14 @@ void set_i64(const TensorView& v, std::initializer_list<int64_t> values) {
 void wild_fill(const TensorView& v, std::mt19937_64& g, int64_t lo, int64_t hi) {
   std::uniform_int_distribution<int> kind(0, 19);
   std::uniform_int_distribution<int64_t> in(lo, hi), past(hi + 1, hi + 1000), neg(-1000, -2);
+  constexpr int64_t kMin32 = std::numeric_limits<int32_t>::min(), kMax32 = std::numeric_limits<int32_t>::max();
   for (int64_t i = 0; i < v.numel(); ++i) {
     const int k = kind(g);
     const int64_t x = k < 16 ? in(g) : k == 16 ? -1 : k == 17 ? neg(g) : k == 18 ? past(g) : int64_t(1) << 40;
     if (v.dtype == DType::kInt64)
       v.ptr<int64_t>()[i] = x;
     else
-      v.ptr<int32_t>()[i] = int32_t(std::clamp<int64_t>(x, std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max()));
+      v.ptr<int32_t>()[i] = int32_t(std::clamp(x, kMin32, kMax32));
   }
 }
 

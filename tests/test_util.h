@@ -208,8 +208,9 @@ void expect_throws_and_untouched(Call& call, const std::vector<TensorView>& watc
 
 // ---- random device-resident indices on the CPU path: run, or throw and write nothing -----------
 
-// Random contents for an int32 or int64 index tensor: each element in [lo, hi] about four times in
-// five, else -1, a large negative value or a value past hi (what a buggy engine could pass).
+// Random contents for a contiguous int32 or int64 index tensor: each element in [lo, hi] four times
+// in five, else -1, a negative value, a value past hi or 2^40 (int32: 2^31 - 1): what a buggy
+// engine could pass.
 void wild_fill(const TensorView& v, std::mt19937_64& g, int64_t lo, int64_t hi);
 
 // `rounds` fresh calls, each randomized by `fill`: every call either runs or throws m3rt::Error

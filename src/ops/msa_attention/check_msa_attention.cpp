@@ -1,5 +1,5 @@
 // The `m3rt check` rows of MSA sparse attention: msa_prefill (varlen, chunked prefill; groups 16,
-// 4, 1, 8) and msa_decode (decode_query_len 1, 2, 5, 7, 8 and 32, groups 16, 8, 4, 2, 1, topk 16
+// 4, 1, 8; topk 16 and 64) and msa_decode (decode_query_len 1, 2, 5, 7, 8 and 32, groups 16, 8, 4, 2, 1, topk 16
 // and 64, padded requests, non-causal windowed variants, batches of up to 50, block tables of
 // 5000 and 30000 blocks a row).
 // Inputs: q random bf16 in [-1, 1]; cache codes random; shuffled block tables; top-k lists made
@@ -323,6 +323,13 @@ void check_msa_prefill(CheckContext& c) {
   check_msa_variant(c, {true, 16, 2, 16, 0, {900}, {77}});
   // Group 8 with 16-token GPU row groups (128 rows: the wgmma loop on Hopper), one group partial.
   check_msa_variant(c, {false, 16, 2, 16, 0, {1500, 77}, {300, 77}});
+  // M3's group 16 with a bf16 cache (the per-token tile on Hopper): non-causal with a window, a
+  // partial last row group, a request shorter than a page.
+  check_msa_variant(c, {false, 64, 4, 16, 0, {1400, 90}, {45, 90}, {.causal = false, .window_left = 700}});
+  // e4m3 at group 16 (the per-token tile's f16 path), causal; topk 64 over every block of the first
+  // request (a union of up to 8 x 64 entries).
+  check_msa_variant(c, {true, 64, 4, 16, 0, {1300, 200}, {70, 200}});
+  check_msa_variant(c, {true, 64, 4, 64, 0, {3000, 150}, {40, 150}});
 }
 
 void check_msa_decode(CheckContext& c) {
@@ -356,8 +363,9 @@ void check_msa_decode(CheckContext& c) {
   // second warpgroup on Hopper), with pads and lengths below dql.
   check_msa_variant(c, {false, 32, 2, 16, 8, {1700, 60, 0, 2600}, {}});
   check_msa_variant(c, {false, 16, 1, 16, 5, {900, 3, 300}, {}});
-  // Verify at M3's TP1 heads, 80 (request, KV head) pairs: one split (on an H200), so the unsplit
-  // copy-engine loop (e4m3: with its producer warpgroup); most requests end in a partial chunk.
+  // Verify at M3's TP1 heads, 80 (request, KV head) pairs: one split (on an H200), so the per-token
+  // tile (with M3RT_MSA_TOKEN_TILE=0 the unsplit copy-engine loop, e4m3 with its producer
+  // warpgroup); most requests end in a partial chunk.
   check_msa_variant(c, {true, 64, 4, 16, 8, spread_lens(20, 3000), {}});
   check_msa_variant(c, {false, 64, 4, 16, 8, spread_lens(20, 3000), {}});
   // The drafter's shape: 7 block rows x 16 heads (112-row groups), non-causal, window 4096, 64

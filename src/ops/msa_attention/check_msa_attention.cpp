@@ -44,6 +44,7 @@ struct MsaVariant {
   std::vector<int> q_lens;    // prefill: query tokens of each request
   MsaMask mask{};
   int table_width = 0;        // > 0: the block table widened with -1 columns to this many blocks
+  bool zero_k_scale = false;  // fp8: k_scale 0 (every visible key weighs the same)
 };
 
 // Host inputs of one call; topk is the [Hkv, T, topk] view of the token-major buffer.
@@ -149,7 +150,7 @@ MsaInputs make_inputs(Rng& rng, const MsaVariant& v) {
       }
     }
   in.q = random_half({in.T, v.hq, 128}, DType::kBFloat16, rng, -1.f, 1.f);
-  in.k_scale = scalar_f32(v.fp8 ? 0.7f : 1.f);
+  in.k_scale = scalar_f32(v.fp8 ? (v.zero_k_scale ? 0.f : 0.7f) : 1.f);
   in.v_scale = scalar_f32(v.fp8 ? 1.3f : 1.f);
   in.cu = pb.cu_seqlens_q;
   in.seq_lens = pb.seq_lens;
@@ -284,7 +285,7 @@ void check_msa_variant(CheckContext& c, const MsaVariant& v) {
               (v.dql ? " dql" + std::to_string(v.dql) : "") + " B" + std::to_string(v.seq_lens.size()) +
               " T" + std::to_string(in.T) + (v.mask.causal ? "" : " noncausal") +
               (v.mask.window_left ? " w" + std::to_string(v.mask.window_left) : "") +
-              (v.table_width ? " table" + std::to_string(v.table_width) : "");
+              (v.table_width ? " table" + std::to_string(v.table_width) : "") + (v.zero_k_scale ? " k_scale0" : "");
   const auto [out, lse] = run_msa(v, in, c.device);
   auto oracle = [&] {
     return msa_oracle(msa_call_params(in.q, {in.cache, cache_dtype(v), in.k_scale, in.v_scale}, in.topk,
@@ -330,6 +331,9 @@ void check_msa_prefill(CheckContext& c) {
   // request (a union of up to 8 x 64 entries).
   check_msa_variant(c, {true, 64, 4, 16, 0, {1300, 200}, {70, 200}});
   check_msa_variant(c, {true, 64, 4, 64, 0, {3000, 150}, {40, 150}});
+  // k_scale 0 (device data, so no host check; the reference weighs every visible key the same):
+  // the per-token tile scales the scores before its mask and max there.
+  check_msa_variant(c, {true, 64, 4, 16, 0, {700, 150}, {40, 150}, {}, 0, true});
 }
 
 void check_msa_decode(CheckContext& c) {

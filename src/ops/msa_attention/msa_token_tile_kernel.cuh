@@ -188,22 +188,28 @@ __global__ void __launch_bounds__(kTtThreads, 1)
   // the thread's 4 heads (head tile nt, column e: head 8 nt + 2 (lane % 4) + e).
   const int4 range = tok_range[warp < gr.tokens ? warp : 0];
   const int g = lane / 4, cq = lane % 4;
-  float col_scale[2][2];  // the softmax scale in log2 units of each of the thread's heads
-  {
-    const float k_scale = kFp8 ? *p.k_scale : 1.f;
+  // The softmax scale in log2 units of each of the thread's heads (e4m3: with k_scale and the
+  // queries' f16 factors). It multiplies a chunk's column max and enters the weights' FMA, which is
+  // right for a scale > 0 (masked keys stay -inf). A k_scale <= 0 or NaN, read on the device (the
+  // reference defines the results: 0 gives every visible key the same weight), takes the general
+  // kernel's order instead: the scores scaled before the mask and the max (scale_first, uniform
+  // over the CTA), and 1 here.
+  auto true_scale = [&](int nt, int e, float k_scale) {
+    return p.softmax_scale * k_scale * kLog2e * (kFp8 ? qf[warp * G + nt * 8 + 2 * cq + e] : 1.f);
+  };
+  const bool scale_first = kFp8 && !(*p.k_scale > 0.f);
+  float col_scale[2][2];
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+  for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 2; ++e)
-        col_scale[nt][e] = p.softmax_scale * k_scale * kLog2e * (kFp8 ? qf[warp * G + nt * 8 + 2 * cq + e] : 1.f);
-  }
+    for (int e = 0; e < 2; ++e) col_scale[nt][e] = scale_first ? 1.f : true_scale(nt, e, kFp8 ? *p.k_scale : 1.f);
   float o[8][2][4];
   float m[2][2], l[2][2];
 #pragma unroll
   for (int i = 0; i < 8; ++i)
 #pragma unroll
     for (int j = 0; j < 2; ++j) o[i][j][0] = o[i][j][1] = o[i][j][2] = o[i][j][3] = 0.f;
-  m[0][0] = m[0][1] = m[1][0] = m[1][1] = -INFINITY;
+  m[0][0] = m[0][1] = m[1][0] = m[1][1] = -FLT_MAX;  // finite: see the running max below
   l[0][0] = l[0][1] = l[1][0] = l[1][1] = 0.f;
   // Shared-memory addresses as a lane base XOR a step constant: a lane's ldmatrix rows all have
   // row % 8 = lane % 8 = x, so piece (2 j + b) ^ x = 2 j ^ (b ^ x) for b < 2, and a row's base has
@@ -275,8 +281,19 @@ __global__ void __launch_bounds__(kTtThreads, 1)
           }
         }
       }
+      if (kFp8 && scale_first) {
+        const float k_scale = *p.k_scale;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float cs = true_scale(nt, e, k_scale);
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) sc[mt][nt][e] *= cs, sc[mt][nt][2 + e] *= cs;
+          }
+      }
       // Keys outside the token's [lo, hi) masked; the column (head) max of the chunk, taken before
-      // the scale (> 0) as the weights' FMA applies it.
+      // the scale (> 0; 1 under scale_first) as the weights' FMA applies it.
       if (key0 < range.x || key0 + kChunkKeys > range.y) {
 #pragma unroll
         for (int mt = 0; mt < 4; ++mt)
@@ -295,7 +312,10 @@ __global__ void __launch_bounds__(kTtThreads, 1)
           for (int r = 0; r < 4; ++r) mx[nt][r & 1] = fmaxf(mx[nt][r & 1], sc[mt][nt][r]);
       // The running max moves only when the chunk passes it by more than kLazyMax (advance_max's
       // rule: weights stay <= 2^kLazyMax and O is rarely rescaled). The chunk has a key the token
-      // sees (the union's masks), so a head's first chunk always moves it off -inf.
+      // sees (the union's masks), so a head's first chunk with a finite score moves it off its
+      // start, -FLT_MAX (alpha = 0). A chunk whose every visible score is -inf (infinite inputs,
+      // an overflowing dot) leaves it there, and its weights come out exp2(-inf + FLT_MAX) = 0 (a
+      // start of -inf would give NaN: advance_max's m_sub in the general kernel).
       float alpha[2][2];
       bool moved = false;
 #pragma unroll

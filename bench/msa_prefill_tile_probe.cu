@@ -76,30 +76,11 @@ using namespace m3rt::kernels;
 __device__ __forceinline__ uint32_t swz(int row, int piece) {
   return uint32_t(row * kRowBytes + ((piece ^ (row & 7)) << 4));
 }
-__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-__device__ __forceinline__ uint32_t movt(uint32_t x) {
-  uint32_t y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
-__device__ __forceinline__ uint32_t bf2(float a, float b) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
 // A bf16 pair and the pair of its residues (x - bf16(x), rounded to bf16).
 __device__ __forceinline__ void bf2_split(float a, float b, uint32_t& hi, uint32_t& lo) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
   hi = *reinterpret_cast<const uint32_t*>(&h);
-  lo = bf2(a - __low2float(h), b - __high2float(h));
+  lo = bf16x2_bits(a - __low2float(h), b - __high2float(h));
 }
 #endif
 
@@ -243,14 +224,14 @@ __global__ void __launch_bounds__(kThreads, 1) probe_kernel(const __grid_constan
             l[nt][r & 1] += p[r];
           }
           if constexpr (kMode == Mode::kTileP16) {
-            pb[nt][0] = movt(bf2(p[0], p[1]));
-            pb[nt][1] = movt(bf2(p[2], p[3]));
+            pb[nt][0] = movmatrix_trans(bf16x2_bits(p[0], p[1]));
+            pb[nt][1] = movmatrix_trans(bf16x2_bits(p[2], p[3]));
           } else {
             uint32_t h0, l0, h1, l1;
             bf2_split(p[0], p[1], h0, l0);
             bf2_split(p[2], p[3], h1, l1);
-            pb[nt][0] = movt(h0), pb[nt][1] = movt(h1);
-            pb[nt + 2][0] = movt(l0), pb[nt + 2][1] = movt(l1);
+            pb[nt][0] = movmatrix_trans(h0), pb[nt][1] = movmatrix_trans(h1);
+            pb[nt + 2][0] = movmatrix_trans(l0), pb[nt + 2][1] = movmatrix_trans(l1);
           }
         }
 #pragma unroll
@@ -258,7 +239,7 @@ __global__ void __launch_bounds__(kThreads, 1) probe_kernel(const __grid_constan
           // V^T A fragment (trans): (keys +0-7, dims +0), (keys +0-7, dims +8), (keys +8-15, +0), (+8-15, +8)
           const int mi = lane / 8, row = ks * 16 + (mi >> 1) * 8 + lane % 8, piece = 16 + mt * 2 + (mi & 1);
           uint32_t a0, a1, a2, a3;
-          ldsm_x4_t(st + swz(row, piece), a0, a1, a2, a3);
+          ldsm_x4_trans(st + swz(row, piece), a0, a1, a2, a3);
           mma_16816<false>(o[mt][0], a0, a1, a2, a3, pb[0][0], pb[0][1]);
           mma_16816<false>(o[mt][1], a0, a1, a2, a3, pb[1][0], pb[1][1]);
           if constexpr (kMode != Mode::kTileP16) {
@@ -293,7 +274,7 @@ __global__ void __launch_bounds__(kThreads, 1) probe_kernel(const __grid_constan
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const float x0 = o[mt][nt][2 * half] * inv[nt][0], x1 = o[mt][nt][2 * half + 1] * inv[nt][1];
-          const uint32_t y = movt(bf2(x0, x1));
+          const uint32_t y = movmatrix_trans(bf16x2_bits(x0, x1));
           const int head = nt * 8 + lane / 4, dim = mt * 16 + half * 8 + 2 * (lane % 4);
           *reinterpret_cast<uint32_t*>(out + head * kDim + dim) = y;
         }

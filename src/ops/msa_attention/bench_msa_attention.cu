@@ -13,12 +13,16 @@
 // (disjoint page ranges of one cache); graph replays. Decode notes the plan's splits; batch 32 and
 // prefill 8K also time the first (CUDA-core) kernel as a baseline. Verify and prefill rows are
 // also timed with P rounded once ("p16": p_residue false), against the default in the same run.
+// Prefill and verify rows run the per-token tile (msa_token_tile_kernel; verify where its grid is
+// unsplit) and are also timed on msa_sparse_kernel's wgmma tile (M3RT_MSA_TOKEN_TILE=0), whose loops
+// the other ratios time.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -285,6 +289,14 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
         MsaDecodePlan alt({c.B, c.dql, kHq, kHkv, kTopk, nb, kd}, Device::cuda());
         rows.back().ratios.push_back({"vs general kernel", time_us(call_with(alt), sets, true, env) / r.us});
       }
+      // Verify: the per-token tile (unsplit grids) against msa_sparse_kernel's 128-row tile, whose
+      // loops the ratios after it time.
+      std::optional<ScopedEnv> tt_off;
+      if (c.dql > 1) {
+        tt_off.emplace("M3RT_MSA_TOKEN_TILE", "0");
+        MsaDecodePlan alt({c.B, c.dql, kHq, kHkv, kTopk, nb, kd}, Device::cuda());
+        rows.back().ratios.push_back({"vs 128-row wgmma tile", time_us(call_with(alt), sets, true, env) / r.us});
+      }
       if (c.dql > 1) {  // the mma.sync loop the wgmma one replaced on Hopper, same run
         const ScopedEnv mma_sync("M3RT_MSA_WGMMA", "0");
         MsaDecodePlan alt({c.B, c.dql, kHq, kHkv, kTopk, nb, kd}, Device::cuda());
@@ -300,6 +312,7 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
         rows.back().ratios.push_back({"vs baseline kernel", time_us(call, sets, true, env) / r.us});
         msa_force_baseline(false);
       }
+      tt_off.reset();
       floor_rows();
       if (with_pdl) rows.push_back(pdl_row(r));
       if (c.dql > 1)  // P rounded once (MsaDecodeArgs::p_residue false)
@@ -333,6 +346,11 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
       r.note = std::to_string(int(r.tflops)) + " TFLOP/s effective" + host_cost_note(call, 1, 8);
       rows.push_back(r);
       if (only_l) continue;
+      std::optional<ScopedEnv> tt_off;  // the ratios below are of msa_sparse_kernel's loops
+      {  // group 16: the per-token tile against msa_sparse_kernel's 64-row wgmma tile
+        tt_off.emplace("M3RT_MSA_TOKEN_TILE", "0");
+        rows.back().ratios.push_back({"vs 64-row wgmma tile", time_us(call, 1, true, env, 3) / r.us});
+      }
       {  // the mma.sync loop the wgmma one replaced on Hopper, same run
         const ScopedEnv mma_sync("M3RT_MSA_WGMMA", "0");
         rows.back().ratios.push_back({"vs mma.sync loop", time_us(call, 1, true, env, 3) / r.us});
@@ -346,6 +364,7 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
         rows.back().ratios.push_back({"vs baseline kernel", time_us(call, 1, true, env, 3) / r.us});
         msa_force_baseline(false);
       }
+      tt_off.reset();
       {  // P rounded once (MsaPrefillArgs::p_residue false), same run
         MsaPrefillArgs a16 = a;
         a16.p_residue = false;

@@ -1,5 +1,5 @@
 // The `m3rt check` rows of MSA sparse attention: msa_prefill (varlen, chunked prefill; groups 16,
-// 4, 1, 8) and msa_decode (decode_query_len 1, 2, 5, 7, 8 and 32, groups 16, 8, 4, 2, 1, topk 16
+// 4, 1, 8; topk 16 and 64) and msa_decode (decode_query_len 1, 2, 5, 7, 8 and 32, groups 16, 8, 4, 2, 1, topk 16
 // and 64, padded requests, non-causal windowed variants, batches of up to 50, block tables of
 // 5000 and 30000 blocks a row).
 // Inputs: q random bf16 in [-1, 1]; cache codes random; shuffled block tables; top-k lists made
@@ -44,6 +44,7 @@ struct MsaVariant {
   std::vector<int> q_lens;    // prefill: query tokens of each request
   MsaMask mask{};
   int table_width = 0;        // > 0: the block table widened with -1 columns to this many blocks
+  bool zero_k_scale = false;  // fp8: k_scale 0 (every visible key weighs the same)
 };
 
 // Host inputs of one call; topk is the [Hkv, T, topk] view of the token-major buffer.
@@ -149,7 +150,7 @@ MsaInputs make_inputs(Rng& rng, const MsaVariant& v) {
       }
     }
   in.q = random_half({in.T, v.hq, 128}, DType::kBFloat16, rng, -1.f, 1.f);
-  in.k_scale = scalar_f32(v.fp8 ? 0.7f : 1.f);
+  in.k_scale = scalar_f32(v.fp8 ? (v.zero_k_scale ? 0.f : 0.7f) : 1.f);
   in.v_scale = scalar_f32(v.fp8 ? 1.3f : 1.f);
   in.cu = pb.cu_seqlens_q;
   in.seq_lens = pb.seq_lens;
@@ -284,7 +285,7 @@ void check_msa_variant(CheckContext& c, const MsaVariant& v) {
               (v.dql ? " dql" + std::to_string(v.dql) : "") + " B" + std::to_string(v.seq_lens.size()) +
               " T" + std::to_string(in.T) + (v.mask.causal ? "" : " noncausal") +
               (v.mask.window_left ? " w" + std::to_string(v.mask.window_left) : "") +
-              (v.table_width ? " table" + std::to_string(v.table_width) : "");
+              (v.table_width ? " table" + std::to_string(v.table_width) : "") + (v.zero_k_scale ? " k_scale0" : "");
   const auto [out, lse] = run_msa(v, in, c.device);
   auto oracle = [&] {
     return msa_oracle(msa_call_params(in.q, {in.cache, cache_dtype(v), in.k_scale, in.v_scale}, in.topk,
@@ -323,6 +324,16 @@ void check_msa_prefill(CheckContext& c) {
   check_msa_variant(c, {true, 16, 2, 16, 0, {900}, {77}});
   // Group 8 with 16-token GPU row groups (128 rows: the wgmma loop on Hopper), one group partial.
   check_msa_variant(c, {false, 16, 2, 16, 0, {1500, 77}, {300, 77}});
+  // M3's group 16 with a bf16 cache (the per-token tile on Hopper): non-causal with a window, a
+  // partial last row group, a request shorter than a page.
+  check_msa_variant(c, {false, 64, 4, 16, 0, {1400, 90}, {45, 90}, {.causal = false, .window_left = 700}});
+  // e4m3 at group 16 (the per-token tile's f16 path), causal; topk 64 over every block of the first
+  // request (a union of up to 8 x 64 entries).
+  check_msa_variant(c, {true, 64, 4, 16, 0, {1300, 200}, {70, 200}});
+  check_msa_variant(c, {true, 64, 4, 64, 0, {3000, 150}, {40, 150}});
+  // k_scale 0 (device data, so no host check; the reference weighs every visible key the same):
+  // the per-token tile scales the scores before its mask and max there.
+  check_msa_variant(c, {true, 64, 4, 16, 0, {700, 150}, {40, 150}, {}, 0, true});
 }
 
 void check_msa_decode(CheckContext& c) {
@@ -356,8 +367,9 @@ void check_msa_decode(CheckContext& c) {
   // second warpgroup on Hopper), with pads and lengths below dql.
   check_msa_variant(c, {false, 32, 2, 16, 8, {1700, 60, 0, 2600}, {}});
   check_msa_variant(c, {false, 16, 1, 16, 5, {900, 3, 300}, {}});
-  // Verify at M3's TP1 heads, 80 (request, KV head) pairs: one split (on an H200), so the unsplit
-  // copy-engine loop (e4m3: with its producer warpgroup); most requests end in a partial chunk.
+  // Verify at M3's TP1 heads, 80 (request, KV head) pairs: one split (on an H200), so the per-token
+  // tile (with M3RT_MSA_TOKEN_TILE=0 the unsplit copy-engine loop, e4m3 with its producer
+  // warpgroup); most requests end in a partial chunk.
   check_msa_variant(c, {true, 64, 4, 16, 8, spread_lens(20, 3000), {}});
   check_msa_variant(c, {false, 64, 4, 16, 8, spread_lens(20, 3000), {}});
   // The drafter's shape: 7 block rows x 16 heads (112-row groups), non-causal, window 4096, 64

@@ -47,8 +47,9 @@
 //    four key rows with 16-byte loads; its accumulators hold row dims 32c + j and 32c + 16 + j.
 //
 // Files (one translation unit): msa_device.cuh (the pieces the kernels share), msa_sparse_kernel.cuh
-// (the kernel above), msa_decode1_kernel.cuh (dql-1 decode), and this file: the launch choices
-// (instance, stages, splits, clusters, copy engine) and the entry points.
+// (the kernel above), msa_decode1_kernel.cuh (dql-1 decode), msa_token_tile_kernel.cuh (the
+// per-token tile: prefill and unsplit verify), and this file: the launch choices (instance, stages,
+// splits, clusters, copy engine) and the entry points.
 // Reference: msa_attention_ref.cpp; checks: check_msa_attention.cpp, tests/test_gpu.cu; bench:
 // bench_msa_attention.cu; design and numbers: README.md.
 #include <cuda.h>
@@ -66,6 +67,7 @@
 #include "m3rt/error.h"
 #include "ops/msa_attention/msa_sparse_kernel.cuh"
 #include "ops/msa_attention/msa_decode1_kernel.cuh"
+#include "ops/msa_attention/msa_token_tile_kernel.cuh"
 
 namespace m3rt {
 namespace {
@@ -458,6 +460,42 @@ bool msa_decode1_read_floor_launch(const MsaParams& p, unsigned* sink, CUstream_
   return true;
 }
 
+// The per-token tile (msa_token_tile_kernel) serves prefill and unsplit decode with dql >= 8 (verify)
+// at 16 query heads a KV head on the Hopper paths, where its shared memory fits the opt-in limit and
+// the request's block bitmap the stage area. M3RT_MSA_TOKEN_TILE=0 keeps msa_sparse_kernel; =2 takes
+// it for unsplit decode from dql 2 as well (benchmarks, tests).
+bool use_token_tile(const MsaParams& p) {
+  if (p.num_heads != 16 * p.num_kv_heads || p.num_splits > 1 || p.mixed_whole > 0 ||
+      msa_group_tokens(16, 0) != kTtWarps || !kernels::hopper_paths_run())
+    return false;
+  const int mode = env_int("M3RT_MSA_TOKEN_TILE", 1);
+  if (mode == 0 || (!p.cu_seqlens_q && p.decode_query_len < (mode >= 2 ? 2 : 8))) return false;
+  return tt_layout(p.fp8, p.topk_k, p.max_blocks).total <= detail::device_limits().smem_optin &&
+         tt_bitmap_fits(p.fp8, p.topk_k, p.max_blocks);
+}
+// The token tile's instance: e4m3 or bf16 pages, P rounded once or not, stages filled by the copy
+// engine (the cache's tensor map; M3RT_MSA_TT_TMA=0, or no map: cp.async by the producer warp).
+template <bool kTma>
+KernelFn token_tile_fn(const MsaParams& p) {
+  if (p.fp8) return p.p16 ? msa_token_tile_kernel<true, true, kTma> : msa_token_tile_kernel<true, false, kTma>;
+  return p.p16 ? msa_token_tile_kernel<false, true, kTma> : msa_token_tile_kernel<false, false, kTma>;
+}
+void token_tile_launch(const MsaParams& p_in, int64_t groups, CUstream_st* stream) {
+  MsaParams p = p_in;
+  const int stages = tt_stages(p.fp8), smem = tt_layout(p.fp8, p.topk_k, p.max_blocks).total;
+  const bool tma = env_int("M3RT_MSA_TT_TMA", 1) != 0 && encode_cache_map(p);
+  const KernelFn fn = tma ? token_tile_fn<true>(p) : token_tile_fn<false>(p);
+  detail::raise_smem_limit(reinterpret_cast<const void*>(fn), smem);
+  const dim3 grid(unsigned(groups), unsigned(p.num_kv_heads));
+  if (p.pdl) {
+    const detail::LaunchEx ex(grid, dim3(kTtThreads), size_t(smem), stream, 1u, true);
+    M3RT_CUDA_CHECK(cudaLaunchKernelEx(&ex.lc, fn, p, stages));
+  } else {
+    fn<<<grid, kTtThreads, smem, stream>>>(p, stages);
+  }
+  M3RT_LAUNCH_CHECK(stream, "msa_token_tile_kernel");
+}
+
 void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
   if (p.num_tokens == 0) return;
   if (g_force_baseline) return msa_attention_baseline_launch(p, stream);
@@ -470,6 +508,7 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
                     "at most 2^31 row groups and 65535 KV heads on a GPU");
   if (splits > kMaxSplits || (splits > 1 && (p.part_o == nullptr || p.part_ml == nullptr || p.counters == nullptr)))
     throw Error("msa_attention: split decode without its scratch (internal)");
+  if (use_token_tile(p)) return token_tile_launch(p, groups, stream);
   const bool d1 = !p.cu_seqlens_q && use_decode1(p.decode_query_len);
   MsaParams call = p;
   const bool mixed = d1 && p.mixed_whole > 0;

@@ -120,12 +120,13 @@ __device__ __forceinline__ uint4 lds128(const char* p) { return *reinterpret_cas
 // scale. 16 threads a row:
 // the row's max |q| by shuffles, then each thread rewrites its 16-byte piece in place; q_factor
 // gets 2^e. A row with no finite nonzero max keeps e = 0.
-template <int kThreads>
+// kPlainSwz: rows swizzled as piece ^ (row % 8) (msa_token_tile_kernel) instead of swz_bf16.
+template <int kThreads, bool kPlainSwz = false>
 __device__ void q_rows_to_f16(char* q_s, float* q_factor, int rows) {
   for (int base = 0; base < rows * 16; base += kThreads) {  // block-uniform; rows * 16 % 16 == 0
     const int idx = base + int(threadIdx.x), row = idx / 16, pc = idx % 16;
     const bool active = idx < rows * 16;  // whole half-warps
-    char* piece = q_s + row * 256 + ((pc ^ swz_bf16(row)) * 16);
+    char* piece = q_s + row * 256 + ((pc ^ (kPlainSwz ? row & 7 : swz_bf16(row))) * 16);
     float x[8];
     kernels::unpack_bf16x8(active ? lds128(piece) : make_uint4(0, 0, 0, 0), x);
     float m = 0.f;
@@ -219,6 +220,32 @@ __device__ __forceinline__ bool decode_group_length(const MsaParams& p, int seq_
   gr.seq_len = seq_len;
   gr.pos0 = int64_t(seq_len) - p.decode_query_len + (gr.tok0 - int64_t(gr.b) * p.decode_query_len);
   return true;
+}
+
+// Token r of the group: its visible keys [lo, hi) (causal: up to its position; window: from
+// p - window_left + 1) and the blocks below hi, as int4 {lo, hi, nbv, -}.
+__device__ __forceinline__ int4 token_range(const MsaParams& p, const Group& gr, int r) {
+  const int64_t pos = gr.pos0 + r;
+  const int64_t hi = p.causal ? min(pos + 1, int64_t(gr.seq_len)) : int64_t(gr.seq_len);
+  const int64_t lo = p.window_left > 0 ? max(int64_t(0), pos - p.window_left + 1) : 0;
+  const int nbv = hi > 0 ? int((hi + kPage - 1) / kPage) : 0;
+  return make_int4(int(lo), int(max(hi, int64_t(0))), nbv, 0);
+}
+
+// A page of the group's union: {id, page, per 64-key half the tokens among `tokens` (those that
+// selected it) that see some key of the half}.
+__device__ __forceinline__ int4 union_entry(const Group& gr, const int4* tok_range, int id, int page,
+                                            uint32_t tokens) {
+  uint32_t mask[2] = {0, 0};
+  for (int h = 0; h < 2; ++h) {
+    const int64_t k0 = int64_t(id) * kPage + h * kChunkKeys;
+    if (k0 >= gr.seq_len) continue;
+    for (uint32_t t = tokens; t; t &= t - 1) {
+      const int r = __ffs(t) - 1;
+      if (tok_range[r].x < k0 + kChunkKeys && tok_range[r].y > k0) mask[h] |= 1u << r;
+    }
+  }
+  return make_int4(id, page, int(mask[0]), int(mask[1]));
 }
 
 // Shared-memory byte offsets a lane uses for the whole kernel. Every row a lane reads has a fixed

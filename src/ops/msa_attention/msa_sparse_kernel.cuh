@@ -84,13 +84,7 @@ __global__ void __launch_bounds__(kWarps * 32 + (kWs ? 128 : 0), kWs ? 1 : 8 / k
     return;
   }
   // Tokens: positions and visible ranges.
-  if (tid < gr.tokens) {
-    const int64_t pos = gr.pos0 + tid;
-    const int64_t hi = p.causal ? min(pos + 1, int64_t(gr.seq_len)) : int64_t(gr.seq_len);
-    const int64_t lo = p.window_left > 0 ? max(int64_t(0), pos - p.window_left + 1) : 0;
-    const int nbv = hi > 0 ? int((hi + kPage - 1) / kPage) : 0;
-    tok_range[tid] = make_int4(int(lo), int(max(hi, int64_t(0))), nbv, 0);
-  }
+  if (tid < gr.tokens) tok_range[tid] = token_range(p, gr, tid);
   // The union of pages in id order with per-token masks. While the request's ids fit a table of
   // token masks (one word per id, after the raw ids in the stage area), every entry ORs its token
   // into its id's word and the nonzero words are compacted in order: no sort. Otherwise the
@@ -122,16 +116,7 @@ __global__ void __launch_bounds__(kWarps * 32 + (kWs ? 128 : 0), kWs ? 1 : 8 / k
   };
   // One unique page: per 64-key half, the tokens that selected it and see some key of the half.
   auto emit = [&](int slot, int id, int page, uint32_t tokens) {
-    uint32_t mask[2] = {0, 0};
-    for (int h = 0; h < 2; ++h) {
-      const int64_t k0 = int64_t(id) * kPage + h * kChunkKeys;
-      if (k0 >= gr.seq_len) continue;
-      for (uint32_t t = tokens; t; t &= t - 1) {
-        const int r = __ffs(t) - 1;
-        if (tok_range[r].x < k0 + kChunkKeys && tok_range[r].y > k0) mask[h] |= 1u << r;
-      }
-    }
-    uniq[slot] = make_int4(id, page, int(mask[0]), int(mask[1]));
+    uniq[slot] = union_entry(gr, tok_range, id, page, tokens);
   };
   auto page_ok = [&](int page) { return page >= 0 && page < p.num_cache_blocks; };
   if (bitmap) {

@@ -1,0 +1,463 @@
+// msa_token_tile_kernel: the per-token tile for prefill and unsplit verify (one token's query
+// heads a warp; only the tokens that selected a page compute on it).
+// Part of msa_attention.cu's translation unit (included there only: its names live in that
+// file's unnamed namespace, so the kernels and helpers keep internal linkage).
+#pragma once
+
+#include "ops/msa_attention/msa_device.cuh"
+
+namespace m3rt {
+namespace {
+
+// Prefill and unsplit verify at groups of 16 query heads: the per-token tile (README.md, "The
+// per-token prefill tile"). A CTA serves a row group (up to 8 tokens of one request) and one KV
+// head, as msa_sparse_kernel does, but every MMA row belongs to one token: warp w of kTtWarps
+// serves token w. For each 64-key chunk its token selected it computes S^T = K Q^T (m16n8k16:
+// M = the chunk's keys, N = the 16 heads), the online softmax over the keys inside the warp (the
+// column max over its lanes; no other warp holds the token's scores), P^T into B fragments by
+// movmatrix (the value and its residue, or P rounded once under p16) and O^T += V^T P^T. bf16 pages: K and V^T fragments by ldmatrix (.trans for V).
+// e4m3 pages (f16 MMAs, as msa_sparse_kernel's): K's bytes by ldmatrix, four codes a register
+// converted in place, so a k-step's dims run in the order 4c, 4c+1 | 4c+2, 4c+3 and the queries'
+// B fragments follow it (one 8-byte load of f16 queries, scaled into f16's range per head by
+// q_rows_to_f16); V^T's by ldmatrix.trans of byte pairs, bytes regrouped by a permute so that a
+// thread's rows are dims 2g and 2g + 1: O^T's rows run in that order, which the output undoes.
+// A producer warp streams the group's page union, the chunks some token sees, through the stages,
+// completing on mbarriers: kTma, as the copy engine's 128-byte-swizzled boxes (keys past seq_len
+// land too; the consumers zero their V^T fragment halves, so that no unwritten cache row reaches an
+// MMA with a nonzero weight); else by cp.async into key rows (16-byte piece q of key row r at
+// q ^ (r % 8); rows at or past seq_len zero-filled). Every consumer warp releases every stage, its
+// token's chunk or not.
+constexpr int kTtWarps = 8, kTtThreads = (kTtWarps + 1) * 32;
+// Stages: five 32-KiB bf16 chunks or ten 16-KiB e4m3 chunks (160 KiB in flight; with topk 16 a sixth
+// bf16 stage would leave no room to align the stages). Compile-time counts keep the ring arithmetic
+// cheap.
+__host__ __device__ constexpr int tt_stages(bool fp8) { return fp8 ? 10 : 5; }
+__host__ __device__ constexpr int tt_chunk_bytes(bool fp8) { return kChunkKeys * cache_row_bytes(fp8); }
+
+struct TtLayout {
+  int uniq_off, qf_off, q_off, ring_off, total;
+};
+// From a 1024-aligned base (the launch adds 1024 bytes of slack): [0, 1024) the stages' mbarriers
+// (full, empty), scan counts, token ranges; then the union (int4 {id, page, token mask half 0,
+// half 1}), e4m3: the queries' per-row factors; the queries [token][head][256 bytes] and the
+// stages, 1024-aligned (the ldmatrix addresses are formed by XOR within a row; the copy engine's
+// 128-byte swizzle needs it). Before the loop the stage area holds the raw ids and the union's
+// page bitmap. `total` counts the slack.
+__host__ __device__ inline TtLayout tt_layout(bool fp8, int topk, int max_blocks) {
+  TtLayout l{};
+  const int n = kTtWarps * topk, u_cap = n < max_blocks ? n : max_blocks;
+  l.uniq_off = 1024;
+  l.qf_off = l.uniq_off + u_cap * 16;
+  l.q_off = (l.qf_off + (fp8 ? kTtWarps * 16 * 4 : 0) + 1023) / 1024 * 1024;
+  l.ring_off = l.q_off + kTtWarps * 16 * 256;
+  l.total = l.ring_off + tt_stages(fp8) * tt_chunk_bytes(fp8) + 1024;
+  return l;
+}
+// The raw ids and the bitmap fit the stage area.
+__host__ __device__ inline bool tt_bitmap_fits(bool fp8, int topk, int max_blocks) {
+  return int64_t(kTtWarps * topk * 4 + 15) / 16 * 16 + int64_t(max_blocks) * 4 <=
+         int64_t(tt_stages(fp8)) * tt_chunk_bytes(fp8);
+}
+
+template <bool kFp8, bool kP16, bool kTma>
+__global__ void __launch_bounds__(kTtThreads, 1)
+    msa_token_tile_kernel(const __grid_constant__ MsaParams p, int) {
+  kernels::grid_dependency_wait();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int G = 16, kStages = tt_stages(kFp8), kRow = cache_row_bytes(kFp8), kChunk = tt_chunk_bytes(kFp8);
+  constexpr int kPieces = kRow / 16;  // 16-byte pieces a key row
+  // A stage: kTma, the copy engine's boxes of 64 keys x 128 bytes (bf16: K dims 0-63, 64-127, V
+  // 0-63, 64-127; e4m3: K, V), 16-byte piece q of key r's box row at q ^ (r % 8); else key rows of
+  // kRow bytes, piece q at q ^ (r % 8). kRs: a key's stride within its box or row.
+  constexpr int kRs = kTma ? 128 : kRow, kBox = kChunkKeys * 128;
+  extern __shared__ __align__(128) char smem_raw[];
+  char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const int topk = p.topk_k;
+  const TtLayout L = tt_layout(kFp8, topk, p.max_blocks);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
+  uint64_t* empty = full + kStages;
+  int* misc = reinterpret_cast<int*>(smem + 256);         // [0, 9): warp counts, [15]: union size
+  int4* tok_range = reinterpret_cast<int4*>(smem + 512);  // per token {lo, hi, nbv, -}
+  int4* uniq = reinterpret_cast<int4*>(smem + L.uniq_off);
+  char* q_s = smem + L.q_off;
+  char* ring = smem + L.ring_off;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, kv_head = blockIdx.y;
+  Group gr;
+  if (!resolve_group(p, msa_group_tokens(G, p.decode_query_len), blockIdx.x, gr)) return;  // CTA-uniform
+  // Queries (missing tokens zero), the top-k ids (a decode length alongside), the tokens' visible
+  // ranges.
+  for (int i = tid; i < kTtWarps * G * 16; i += kTtThreads) {
+    const int row = i / 16, pc = i % 16;
+    const bool live = row / G < gr.tokens;
+    const int64_t t = gr.tok0 + (live ? row / G : 0);
+    const uint16_t* src = p.q + t * p.q_stride_t + int64_t(kv_head * G + row % G) * p.q_stride_h + pc * 8;
+    cp_async_16z(q_s + row * 256 + ((pc ^ (row & 7)) << 4), src, live ? 16 : 0);
+  }
+  cp_async_commit();
+  const int n = gr.tokens * topk;
+  int* raw = reinterpret_cast<int*>(ring);
+  for (int e = tid; e < n; e += kTtThreads)
+    raw[e] = p.topk[int64_t(kv_head) * p.topk_stride_h + (gr.tok0 + e / topk) * p.topk_stride_t +
+                    int64_t(e % topk) * p.topk_stride_k];
+  if (!p.cu_seqlens_q && !decode_group_length(p, p.seq_lens[gr.b], gr)) {
+    cp_async_wait<0>();  // nothing may land in a finished CTA's shared memory
+    return;
+  }
+  if (tid < gr.tokens) tok_range[tid] = token_range(p, gr, tid);
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) kernels::mbar_init(&full[s], kTma ? 1 : 32), kernels::mbar_init(&empty[s], kTtWarps);
+    kernels::fence_mbarrier_init();
+  }
+  const int nb_all = gr.seq_len > 0 ? (gr.seq_len + kPage - 1) / kPage : 0;
+  uint32_t* sel = reinterpret_cast<uint32_t*>(ring + (n * 4 + 15) / 16 * 16);
+  for (int i = tid; i < nb_all; i += kTtThreads) sel[i] = 0u;
+  __syncthreads();
+  // The union in id order with per-token masks (msa_sparse_kernel's bitmap path): every valid entry
+  // ORs its token into its id's word; pages outside the cache are dropped; a block scan places the
+  // nonzero words; per 64-key half, the tokens that selected the page and see some key of it.
+  for (int e = tid; e < n; e += kTtThreads) {
+    const int r = e / topk, id = raw[e];
+    if (id >= 0 && id < tok_range[r].z) atomicOr(&sel[id], 1u << r);
+  }
+  __syncthreads();
+  const int32_t* table = p.block_table + int64_t(gr.b) * p.block_table_stride;
+  const int seg = (nb_all + kTtThreads - 1) / kTtThreads, i0 = min(tid * seg, nb_all), i1 = min(i0 + seg, nb_all);
+  int mine = 0;
+  for (int i = i0; i < i1; ++i)
+    if (sel[i] != 0u) {
+      const int page = table[i];
+      if (page >= 0 && page < p.num_cache_blocks) ++mine;
+      else sel[i] = 0u;
+    }
+  int incl = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(kFull, incl, o);
+    if (lane >= o) incl += v;
+  }
+  if (lane == 31) misc[warp] = incl;
+  cp_async_wait<0>();
+  __syncthreads();
+  int base = incl - mine;
+  for (int w = 0; w < warp; ++w) base += misc[w];
+  if (tid == kTtThreads - 1) misc[15] = base + mine;
+  for (int i = i0; i < i1; ++i) {
+    if (sel[i] != 0u) uniq[base++] = union_entry(gr, tok_range, i, table[i], sel[i]);
+  }
+  // e4m3: the queries as f16, each head row scaled into f16's range (its factor in qf).
+  float* qf = reinterpret_cast<float*>(smem + L.qf_off);
+  if constexpr (kFp8) q_rows_to_f16<kTtThreads, true>(q_s, qf, kTtWarps * G);
+  // kTma: this thread's accesses to the stage area (the raw ids, the bitmap) ordered before the
+  // copy engine's writes there (another proxy), as msa_sparse_kernel's prologue does.
+  if constexpr (kTma) kernels::fence_proxy_async();
+  __syncthreads();  // the union, the queries; the stage area free for the copies
+  const int U = misc[15];
+  const char* cache = static_cast<const char*>(p.cache);
+
+  if (warp == kTtWarps) {  // the producer: piece lane % kPieces of rows lane / kPieces + 32 / kPieces * i
+    constexpr int kRowsALane = kChunkKeys * kPieces / 32;
+    const int pc = lane % kPieces, r0 = lane / kPieces;
+    for (int c = 0, used = 0; c < 2 * U; ++c) {
+      const int4 e = uniq[c >> 1];
+      if ((c & 1 ? e.w : e.z) == 0) continue;
+      const int s = used % kStages;
+      if (used >= kStages) kernels::mbar_wait(&empty[s], uint32_t(used / kStages - 1) & 1u);
+      char* dst = ring + s * kChunk;
+      if constexpr (kTma) {  // rows past seq_len land too; the consumers zero their V weights
+        if (lane == 0)
+          tma_chunk_boxes<kFp8>(dst, p.cache_map, (c & 1) * kChunkKeys, kv_head, e.y, uint32_t(kChunk), &full[s]);
+      } else {
+        const int64_t key0 = int64_t(e.x) * kPage + (c & 1) * kChunkKeys;
+        const char* src =
+            cache + ((int64_t(e.y) * p.num_kv_heads + kv_head) * kPage + (c & 1) * kChunkKeys) * kRow + pc * 16;
+#pragma unroll 8
+        for (int i = 0; i < kRowsALane; ++i) {
+          const int r = r0 + i * (32 / kPieces);
+          cp_async_16z(dst + r * kRow + ((pc ^ (r & 7)) << 4), src + r * kRow, key0 + r < gr.seq_len ? 16 : 0);
+        }
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(&full[s])) : "memory");
+      }
+      ++used;
+    }
+    if constexpr (!kTma) cp_async_wait<0>();
+    return;
+  }
+
+  // Consumer warp: token tok0 + warp. O^T fragments [dim tile 8][head tile 2][4] (P's value and
+  // residue MMAs accumulate into the same fragments); running max (log2 units) and partial sums of
+  // the thread's 4 heads (head tile nt, column e: head 8 nt + 2 (lane % 4) + e).
+  const int4 range = tok_range[warp < gr.tokens ? warp : 0];
+  const int g = lane / 4, cq = lane % 4;
+  // The softmax scale in log2 units of each of the thread's heads (e4m3: with k_scale and the
+  // queries' f16 factors). It multiplies a chunk's column max and enters the weights' FMA, which is
+  // right for a scale > 0 (masked keys stay -inf). A k_scale <= 0 or NaN, read on the device (the
+  // reference defines the results: 0 gives every visible key the same weight), takes the general
+  // kernel's order instead: the scores scaled before the mask and the max (scale_first, uniform
+  // over the CTA), and 1 here.
+  auto true_scale = [&](int nt, int e, float k_scale) {
+    return p.softmax_scale * k_scale * kLog2e * (kFp8 ? qf[warp * G + nt * 8 + 2 * cq + e] : 1.f);
+  };
+  const bool scale_first = kFp8 && !(*p.k_scale > 0.f);
+  float col_scale[2][2];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) col_scale[nt][e] = scale_first ? 1.f : true_scale(nt, e, kFp8 ? *p.k_scale : 1.f);
+  float o[8][2][4];
+  float m[2][2], l[2][2];
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) o[i][j][0] = o[i][j][1] = o[i][j][2] = o[i][j][3] = 0.f;
+  m[0][0] = m[0][1] = m[1][0] = m[1][1] = -FLT_MAX;  // finite: see the running max below
+  l[0][0] = l[0][1] = l[1][0] = l[1][1] = 0.f;
+  // Shared-memory addresses as a lane base XOR a step constant: a lane's ldmatrix rows all have
+  // row % 8 = lane % 8 = x, so piece (2 j + b) ^ x = 2 j ^ (b ^ x) for b < 2, and a row's base has
+  // its low 8 (e4m3: 7) bits clear. Bases relative to a stage (K, V) or absolute (Q).
+  const int mi = lane / 8, x = lane % 8;
+  uint32_t k_lane, v_lane, q_lane;
+  if constexpr (kFp8) {
+    // K: matrices keys mi * 8 + x (+32), piece j; V^T (.trans): keys (mi & 1) * 8 + x, piece
+    // 8 + mt + (mi >> 1) for even mt; Q (8-byte loads): head row g (+8), dims 4 cq + 16 j.
+    k_lane = uint32_t((mi * 8 + x) * kRs + (x << 4));
+    v_lane = uint32_t((kTma ? kBox : 128) + ((mi & 1) * 8 + x) * kRs + (((mi >> 1) ^ x) << 4));
+    q_lane = uint32_t((warp * G + g) * 256 + (((cq >> 1) ^ (g & 7)) << 4) + (cq & 1) * 8);  // from q_s
+  } else {
+    // K: keys (mi & 1) * 8 + x of a 16-key tile, piece 2 ks + (mi >> 1); V^T (.trans): keys
+    // (mi >> 1) * 8 + x of a 16-key step, piece 16 + 2 mt + (mi & 1); Q: heads (mi >> 1) * 8 + x,
+    // piece 2 ks + (mi & 1).
+    k_lane = uint32_t(((mi & 1) * 8 + x) * kRs + (((mi >> 1) ^ x) << 4));
+    v_lane = uint32_t((kTma ? 2 * kBox : 256) + ((mi >> 1) * 8 + x) * kRs + (((mi & 1) ^ x) << 4));
+    q_lane = smem_u32(q_s) + uint32_t((warp * G + (mi >> 1) * 8 + x) * 256 + (((mi & 1) ^ x) << 4));
+  }
+
+  for (int c = 0, used = 0; c < 2 * U; ++c) {
+    const int4 e = uniq[c >> 1];
+    const uint32_t tokens = uint32_t(c & 1 ? e.w : e.z);
+    if (tokens == 0) continue;
+    const int s = used % kStages;
+    kernels::mbar_wait(&full[s], uint32_t(used / kStages) & 1u);
+    ++used;
+    if (tokens >> warp & 1) {
+      const int key0 = e.x * kPage + (c & 1) * kChunkKeys;
+      const uint32_t st = smem_u32(ring + s * kChunk);
+      // S^T = K Q^T: [4 key tiles][2 head tiles][4].
+      float sc[4][2][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) sc[i][j][0] = sc[i][j][1] = sc[i][j][2] = sc[i][j][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < 8; ++ks) {
+        uint32_t qb[2][2];  // [head tile][k halves]
+        if constexpr (kFp8) {
+          const char* qa = q_s + (q_lane ^ uint32_t(ks << 5));
+          const uint2 q0 = lds64(qa), q1 = lds64(qa + 8 * 256);
+          qb[0][0] = q0.x, qb[0][1] = q0.y, qb[1][0] = q1.x, qb[1][1] = q1.y;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {  // keys 32 half + (0-7, 8-15, 16-23, 24-31)
+            uint32_t r[4];
+            kernels::ldsm_x4((st + k_lane + half * 32 * kRs) ^ uint32_t(ks << 4), r[0], r[1], r[2], r[3]);
+#pragma unroll
+            for (int t2 = 0; t2 < 2; ++t2) {
+              uint32_t a0, a1, a2, a3;
+              e4m3x4_to_f16x2x2(r[2 * t2], a0, a2);
+              e4m3x4_to_f16x2x2(r[2 * t2 + 1], a1, a3);
+              mma_16816<true>(sc[half * 2 + t2][0], a0, a1, a2, a3, qb[0][0], qb[0][1]);
+              mma_16816<true>(sc[half * 2 + t2][1], a0, a1, a2, a3, qb[1][0], qb[1][1]);
+            }
+          }
+        } else {
+          kernels::ldsm_x4(q_lane ^ uint32_t(ks << 5), qb[0][0], qb[0][1], qb[1][0], qb[1][1]);
+          // kTma: pieces 2 ks, 2 ks + 1 lie in box ks / 4 at pieces 2 (ks % 4) (+1).
+          const uint32_t ka = kTma ? ((st + k_lane) ^ uint32_t((ks & 3) << 5)) + (ks >> 2) * kBox
+                                   : (st + k_lane) ^ uint32_t(ks << 5);
+#pragma unroll
+          for (int mt = 0; mt < 4; ++mt) {
+            uint32_t a0, a1, a2, a3;
+            kernels::ldsm_x4(ka + mt * 16 * kRs, a0, a1, a2, a3);
+            mma_16816<false>(sc[mt][0], a0, a1, a2, a3, qb[0][0], qb[0][1]);
+            mma_16816<false>(sc[mt][1], a0, a1, a2, a3, qb[1][0], qb[1][1]);
+          }
+        }
+      }
+      if (kFp8 && scale_first) {
+        const float k_scale = *p.k_scale;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float cs = true_scale(nt, e, k_scale);
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) sc[mt][nt][e] *= cs, sc[mt][nt][2 + e] *= cs;
+          }
+      }
+      // Keys outside the token's [lo, hi) masked; the column (head) max of the chunk, taken before
+      // the scale (> 0; 1 under scale_first) as the weights' FMA applies it.
+      if (key0 < range.x || key0 + kChunkKeys > range.y) {
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int key = key0 + mt * 16 + g + (r >= 2 ? 8 : 0);
+            if (key < range.x || key >= range.y) sc[mt][0][r] = sc[mt][1][r] = -INFINITY;
+          }
+      }
+      float mx[2][2] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}};
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) mx[nt][r & 1] = fmaxf(mx[nt][r & 1], sc[mt][nt][r]);
+      // The running max moves only when the chunk passes it by more than kLazyMax (advance_max's
+      // rule: weights stay <= 2^kLazyMax and O is rarely rescaled). The chunk has a key the token
+      // sees (the union's masks), so a head's first chunk with a finite score moves it off its
+      // start, -FLT_MAX (alpha = 0). A chunk whose every visible score is -inf (infinite inputs,
+      // an overflowing dot) leaves it there, and its weights come out exp2(-inf + FLT_MAX) = 0 (a
+      // start of -inf would give NaN: advance_max's m_sub in the general kernel).
+      float alpha[2][2];
+      bool moved = false;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int c2 = 0; c2 < 2; ++c2) {
+          const float v =
+              kernels::reduce_accumulator_column(mx[nt][c2], [](float x, float y) { return fmaxf(x, y); }) *
+              col_scale[nt][c2];
+          const bool move = v > m[nt][c2] + kLazyMax;
+          alpha[nt][c2] = move ? exp2_ftz(m[nt][c2] - v) : 1.f;
+          m[nt][c2] = move ? v : m[nt][c2];
+          l[nt][c2] *= alpha[nt][c2];
+          moved |= move;
+        }
+      if (__any_sync(kFull, moved)) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            o[i][j][0] *= alpha[j][0], o[i][j][1] *= alpha[j][1];
+            o[i][j][2] *= alpha[j][0], o[i][j][3] *= alpha[j][1];
+          }
+      }
+      // O^T += V^T P^T, 16 keys a step. P^T's B fragments: the S^T accumulator block (keys g (+ 8),
+      // heads 2 cq + e) transposed by movmatrix gives keys 2 cq + e, head g: the B layout.
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        uint32_t pb[2][2][2];  // [value, residue][head tile][keys +0-7, +8-15]
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          float pv[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            pv[r] = exp2_ftz(fmaf(sc[ks][nt][r], col_scale[nt][r & 1], -m[nt][r & 1]));
+            l[nt][r & 1] += pv[r];
+          }
+          if constexpr (kP16) {
+            uint32_t h0, h1;
+            if constexpr (kFp8) {
+              const __half2 v0 = __floats2half2_rn(pv[0], pv[1]), v1 = __floats2half2_rn(pv[2], pv[3]);
+              h0 = *reinterpret_cast<const uint32_t*>(&v0), h1 = *reinterpret_cast<const uint32_t*>(&v1);
+            } else {
+              h0 = kernels::bf16x2_bits(pv[0], pv[1]), h1 = kernels::bf16x2_bits(pv[2], pv[3]);
+            }
+            pb[0][nt][0] = kernels::movmatrix_trans(h0), pb[0][nt][1] = kernels::movmatrix_trans(h1);
+          } else {
+            uint32_t h0, l0, h1, l1;
+            split2<kFp8>(pv[0], pv[1], h0, l0);
+            split2<kFp8>(pv[2], pv[3], h1, l1);
+            pb[0][nt][0] = kernels::movmatrix_trans(h0), pb[0][nt][1] = kernels::movmatrix_trans(h1);
+            pb[1][nt][0] = kernels::movmatrix_trans(l0), pb[1][nt][1] = kernels::movmatrix_trans(l1);
+          }
+        }
+        // kTma: keys at or past seq_len landed with the chunk; their V^T columns (this thread's keys
+        // ks * 16 + 2 cq (+1) (+8)) are zeroed, as a weight of 0 times an unwritten (NaN) V is not 0.
+        const int vkeys = gr.seq_len - key0 - ks * 16 - 2 * cq;  // this thread's first key's room
+        const bool tail = kTma && gr.seq_len - key0 < kChunkKeys;
+        auto vmask = [&](uint32_t v, int k) {
+          return v & ((k < vkeys ? 0xffffu : 0u) | (k + 1 < vkeys ? 0xffff0000u : 0u));
+        };
+        auto pv_mma = [&](int mt, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3) {
+          if (tail) a0 = vmask(a0, 0), a1 = vmask(a1, 0), a2 = vmask(a2, 8), a3 = vmask(a3, 8);
+          mma_16816<kFp8>(o[mt][0], a0, a1, a2, a3, pb[0][0][0], pb[0][0][1]);
+          mma_16816<kFp8>(o[mt][1], a0, a1, a2, a3, pb[0][1][0], pb[0][1][1]);
+          if constexpr (!kP16) {
+            mma_16816<kFp8>(o[mt][0], a0, a1, a2, a3, pb[1][0][0], pb[1][0][1]);
+            mma_16816<kFp8>(o[mt][1], a0, a1, a2, a3, pb[1][1][0], pb[1][1][1]);
+          }
+        };
+        if constexpr (kFp8) {
+          // V^T (.trans byte pairs): a register holds (key 2 cq: dims 2g, 2g+1 | key 2 cq + 1: the
+          // same dims); the permute makes (dim 2g: both keys | dim 2g + 1: both keys), converted to
+          // the A fragment's rows g (dim 2g) and g + 8 (dim 2g + 1).
+          const uint32_t va = st + v_lane + ks * 16 * kRs;
+#pragma unroll
+          for (int mt = 0; mt < 8; mt += 2) {
+            uint32_t r[4];  // (keys +0-7, dims of mt), (+8-15, mt), (+0-7, mt + 1), (+8-15, mt + 1)
+            kernels::ldsm_x4_trans(va ^ uint32_t(mt << 4), r[0], r[1], r[2], r[3]);
+#pragma unroll
+            for (int t2 = 0; t2 < 2; ++t2) {
+              uint32_t a0, a1, a2, a3;
+              e4m3x4_to_f16x2x2(__byte_perm(r[2 * t2], 0, 0x3120), a0, a1);
+              e4m3x4_to_f16x2x2(__byte_perm(r[2 * t2 + 1], 0, 0x3120), a2, a3);
+              pv_mma(mt + t2, a0, a1, a2, a3);
+            }
+          }
+        } else {
+          const uint32_t va = st + v_lane + ks * 16 * kRs;
+#pragma unroll
+          for (int mt = 0; mt < 8; ++mt) {
+            // (keys +0-7, dims +0), (+0-7, +8), (+8-15, +0), (+8-15, +8); kTma: box 2 + mt / 4
+            uint32_t a0, a1, a2, a3;
+            kernels::ldsm_x4_trans(kTma ? (va ^ uint32_t((mt & 3) << 5)) + (mt >> 2) * kBox : va ^ uint32_t(mt << 5), a0,
+                                   a1, a2, a3);
+            pv_mma(mt, a0, a1, a2, a3);
+          }
+        }
+      }
+    }
+    __syncwarp();
+    if (lane == 0) kernels::mbar_arrive(&empty[s]);
+  }
+  if (warp >= gr.tokens) return;
+  // Output: l over the warp's lanes of a head; O = (O^T)^T / l; a row without keys writes 0 (LSE
+  // -inf). bf16: through movmatrix (O^T's block at dims 16 mt + 8 half + g, heads 8 nt + 2 cq + e
+  // becomes head 8 nt + g, dims 16 mt + 8 half + 2 cq + e); e4m3: a thread's O^T rows are dims
+  // 16 mt + 2 g and + 1 already, so (c0, c2) and (c1, c3) are two heads' dim pairs.
+  const int64_t t = gr.tok0 + warp;
+  const float v_scale = kFp8 ? *p.v_scale : 1.f;
+  float inv[2][2];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int c2 = 0; c2 < 2; ++c2) {
+      const float v = kernels::reduce_accumulator_column(l[nt][c2], [](float x, float y) { return x + y; });
+      l[nt][c2] = v;
+      inv[nt][c2] = row_out_scale(v, v_scale);
+      if (p.lse && lane < 4) p.lse[t * p.lse_stride_t + kv_head * G + nt * 8 + 2 * lane + c2] = row_lse(m[nt][c2], v);
+    }
+  uint16_t* out = p.out + t * p.out_stride_t + int64_t(kv_head * G) * p.out_stride_h;
+  auto scaled = [&](int nt, int c2, float x) { return l[nt][c2] == 0.f ? 0.f : x * inv[nt][c2]; };
+#pragma unroll
+  for (int mt = 0; mt < 8; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      if constexpr (kFp8) {
+#pragma unroll
+        for (int c2 = 0; c2 < 2; ++c2)
+          *reinterpret_cast<uint32_t*>(out + int64_t(nt * 8 + 2 * cq + c2) * p.out_stride_h + mt * 16 + 2 * g) =
+              kernels::bf16x2_bits(scaled(nt, c2, o[mt][nt][c2]), scaled(nt, c2, o[mt][nt][2 + c2]));
+      } else {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const uint32_t y = kernels::movmatrix_trans(
+              kernels::bf16x2_bits(scaled(nt, 0, o[mt][nt][2 * half]), scaled(nt, 1, o[mt][nt][2 * half + 1])));
+          *reinterpret_cast<uint32_t*>(out + int64_t(nt * 8 + g) * p.out_stride_h + mt * 16 + half * 8 + 2 * cq) = y;
+        }
+      }
+    }
+#endif
+}
+
+}  // namespace
+}  // namespace m3rt

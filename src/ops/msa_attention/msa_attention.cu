@@ -460,30 +460,40 @@ bool msa_decode1_read_floor_launch(const MsaParams& p, unsigned* sink, CUstream_
   return true;
 }
 
-// The per-token tile (msa_token_tile_kernel) serves prefill and unsplit decode with dql >= 8 (verify)
-// at 16 query heads a KV head on the Hopper paths, where its shared memory fits the opt-in limit and
-// the request's block bitmap the stage area. M3RT_MSA_TOKEN_TILE=0 keeps msa_sparse_kernel; =2 takes
-// it for unsplit decode from dql 2 as well (benchmarks, tests).
+// The per-token tile (msa_token_tile_kernel) serves e4m3 prefill and unsplit e4m3 decode with
+// dql >= 8 (verify) at 16 query heads a KV head on the Hopper paths, where its shared memory fits
+// the opt-in limit and the request's block bitmap the stage area. H200, M3 shapes, against the
+// 64-row wgmma tile in the same call (session 35): e4m3 prefill 8K 1.19x, 32K 1.58x, 32K shared8
+// 1.08x, verify B32 1.02x; bf16 prefill 8K 0.98x, 32K 1.05x, 32K shared8 0.90x, verify 0.88x, so
+// bf16 pages keep the wgmma tiles. M3RT_MSA_TOKEN_TILE=0: never; =1: bf16 pages too; =2: also
+// unsplit decode from dql 2 (benchmarks, tests).
 bool use_token_tile(const MsaParams& p) {
   if (p.num_heads != 16 * p.num_kv_heads || p.num_splits > 1 || p.mixed_whole > 0 ||
       msa_group_tokens(16, 0) != kTtWarps || !kernels::hopper_paths_run())
     return false;
-  const int mode = env_int("M3RT_MSA_TOKEN_TILE", 1);
-  if (mode == 0 || (!p.cu_seqlens_q && p.decode_query_len < (mode >= 2 ? 2 : 8))) return false;
+  const int mode = env_int("M3RT_MSA_TOKEN_TILE", -1);
+  if (mode == 0 || (mode < 0 && !p.fp8) || (!p.cu_seqlens_q && p.decode_query_len < (mode >= 2 ? 2 : 8)))
+    return false;
   return tt_layout(p.fp8, p.topk_k, p.max_blocks).total <= detail::device_limits().smem_optin &&
          tt_bitmap_fits(p.fp8, p.topk_k, p.max_blocks);
 }
 // The token tile's instance: e4m3 or bf16 pages, P rounded once or not, stages filled by the copy
-// engine (the cache's tensor map; M3RT_MSA_TT_TMA=0, or no map: cp.async by the producer warp).
+// engine (the cache's tensor map) or, with M3RT_MSA_TT_TMA=0 only (benchmarks), by the producer
+// warp's cp.async: compute-sanitizer's racecheck reports hazards between those copies and the
+// consumers' ldmatrix reads (session 35; the same mbarrier protocol is clean with the copy engine
+// and the results pass every check), so without a tensor map the wgmma tiles run instead.
 template <bool kTma>
 KernelFn token_tile_fn(const MsaParams& p) {
   if (p.fp8) return p.p16 ? msa_token_tile_kernel<true, true, kTma> : msa_token_tile_kernel<true, false, kTma>;
   return p.p16 ? msa_token_tile_kernel<false, true, kTma> : msa_token_tile_kernel<false, false, kTma>;
 }
-void token_tile_launch(const MsaParams& p_in, int64_t groups, CUstream_st* stream) {
+// Returns false, launching nothing, when the cache has no tensor map (and cp.async is not forced).
+bool token_tile_launch(const MsaParams& p_in, int64_t groups, CUstream_st* stream) {
   MsaParams p = p_in;
   const int stages = tt_stages(p.fp8), smem = tt_layout(p.fp8, p.topk_k, p.max_blocks).total;
-  const bool tma = env_int("M3RT_MSA_TT_TMA", 1) != 0 && encode_cache_map(p);
+  const bool forced_cp_async = env_int("M3RT_MSA_TT_TMA", 1) == 0;
+  const bool tma = !forced_cp_async && encode_cache_map(p);
+  if (!tma && !forced_cp_async) return false;
   const KernelFn fn = tma ? token_tile_fn<true>(p) : token_tile_fn<false>(p);
   detail::raise_smem_limit(reinterpret_cast<const void*>(fn), smem);
   const dim3 grid(unsigned(groups), unsigned(p.num_kv_heads));
@@ -494,6 +504,7 @@ void token_tile_launch(const MsaParams& p_in, int64_t groups, CUstream_st* strea
     fn<<<grid, kTtThreads, smem, stream>>>(p, stages);
   }
   M3RT_LAUNCH_CHECK(stream, "msa_token_tile_kernel");
+  return true;
 }
 
 void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
@@ -508,7 +519,7 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
                     "at most 2^31 row groups and 65535 KV heads on a GPU");
   if (splits > kMaxSplits || (splits > 1 && (p.part_o == nullptr || p.part_ml == nullptr || p.counters == nullptr)))
     throw Error("msa_attention: split decode without its scratch (internal)");
-  if (use_token_tile(p)) return token_tile_launch(p, groups, stream);
+  if (use_token_tile(p) && token_tile_launch(p, groups, stream)) return;
   const bool d1 = !p.cu_seqlens_q && use_decode1(p.decode_query_len);
   MsaParams call = p;
   const bool mixed = d1 && p.mixed_whole > 0;

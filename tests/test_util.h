@@ -212,6 +212,8 @@ void expect_throws_and_untouched(Call& call, const std::vector<TensorView>& watc
 // in five, else -1, a negative value, a value past hi or 2^40 (int32: 2^31 - 1): what a buggy
 // engine could pass.
 void wild_fill(const TensorView& v, std::mt19937_64& g, int64_t lo, int64_t hi);
+// A fair coin from g (which fields a round randomizes).
+inline bool coin(std::mt19937_64& g) { return (g() & 1) != 0; }
 
 // `rounds` fresh calls, each randomized by `fill`: every call either runs or throws m3rt::Error
 // (anything else fails), and an error leaves every watched tensor as it was. Both outcomes must

@@ -766,20 +766,18 @@ TEST(MsaOutOfRange, RandomIndicesRunOrThrowUntouched) {
   expect_runs_or_throws_untouched<PrefillCall>(
       400, 11,
       [](PrefillCall& c, std::mt19937_64& g) {
-        auto coin = [&] { return (g() & 1) != 0; };
-        if (coin()) wild_fill(c.a.cu_seqlens_q, g, 0, 5);
-        if (coin()) wild_fill(c.a.seq_lens, g, 0, 520);
-        if (coin()) wild_fill(c.a.block_table, g, 0, 3);
-        if (coin()) c.a.max_query_len = int(g() % 6);
+        if (coin(g)) wild_fill(c.a.cu_seqlens_q, g, 0, 5);
+        if (coin(g)) wild_fill(c.a.seq_lens, g, 0, 520);
+        if (coin(g)) wild_fill(c.a.block_table, g, 0, 3);
+        if (coin(g)) c.a.max_query_len = int(g() % 6);
         wild_fill(c.a.topk, g, -1, 4);
       },
       [](PrefillCall& c) { return std::vector<TensorView>{c.a.out, c.a.lse}; });
   expect_runs_or_throws_untouched<DecodeCall>(
       400, 12,
       [](DecodeCall& c, std::mt19937_64& g) {
-        auto coin = [&] { return (g() & 1) != 0; };
-        if (coin()) wild_fill(c.a.seq_lens, g, 0, 390);
-        if (coin()) wild_fill(c.a.block_table, g, 0, 2);
+        if (coin(g)) wild_fill(c.a.seq_lens, g, 0, 390);
+        if (coin(g)) wild_fill(c.a.block_table, g, 0, 2);
         wild_fill(c.a.topk, g, -1, 3);
       },
       [](DecodeCall& c) { return std::vector<TensorView>{c.a.out, c.a.lse}; });

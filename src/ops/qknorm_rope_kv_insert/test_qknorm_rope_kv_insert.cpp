@@ -497,7 +497,7 @@ TEST(OutOfRange, QknormRandomIndicesRunOrThrowUntouched) {
   expect_runs_or_throws_untouched<QkSparseCall>(
       300, 32,
       [](QkSparseCall& c, std::mt19937_64& g) {
-        if (g() & 1) c.fp8_index();
+        if (coin(g)) c.fp8_index();
         wild_fill(c.a.positions, g, 0, 15);
         wild_fill(c.a.index_slot_mapping, g, -1, 255);
       },

@@ -35,7 +35,7 @@ __host__ __device__ constexpr int tt_stages(bool fp8) { return fp8 ? 10 : 5; }
 __host__ __device__ constexpr int tt_chunk_bytes(bool fp8) { return kChunkKeys * cache_row_bytes(fp8); }
 
 struct TtLayout {
-  int uniq_off, qf_off, q_off, ring_off, total;
+  int uniq_off, order_off, key_off, qf_off, q_off, ring_off, total;
 };
 // From a 1024-aligned base (the launch adds 1024 bytes of slack): [0, 1024) the stages' mbarriers
 // (full, empty), scan counts, token ranges; then the union (int4 {id, page, token mask half 0,
@@ -47,7 +47,9 @@ __host__ __device__ inline TtLayout tt_layout(bool fp8, int topk, int max_blocks
   TtLayout l{};
   const int n = kTtWarps * topk, u_cap = n < max_blocks ? n : max_blocks;
   l.uniq_off = 1024;
-  l.qf_off = l.uniq_off + u_cap * 16;
+  l.order_off = l.uniq_off + u_cap * 16;  // the union in token-balanced order
+  l.key_off = l.order_off + u_cap * 16;    // its sort keys
+  l.qf_off = l.key_off + u_cap * 4;
   l.q_off = (l.qf_off + (fp8 ? kTtWarps * 16 * 4 : 0) + 1023) / 1024 * 1024;
   l.ring_off = l.q_off + kTtWarps * 16 * 256;
   l.total = l.ring_off + tt_stages(fp8) * tt_chunk_bytes(fp8) + 1024;
@@ -153,12 +155,40 @@ __global__ void __launch_bounds__(kTtThreads, 1)
   __syncthreads();  // the union, the queries; the stage area free for the copies
   const int U = misc[15];
   const char* cache = static_cast<const char*>(p.cache);
+  // The union in token-balanced order: each page keyed by (its rank in the list of the lowest token
+  // that selected it, that token), so the stream hands the tokens their pages in turn and the
+  // ring's window of ~5 pages holds work for as many warps as it can (in id order, a window's
+  // pages fall on a few tokens while the other warps wait).
+  int4* order = reinterpret_cast<int4*>(smem + L.order_off);
+  {
+    int* key = reinterpret_cast<int*>(smem + L.key_off);
+    if (warp < gr.tokens) {
+      int run = 0;
+      for (int e0 = 0; e0 < U; e0 += 32) {
+        const int e = e0 + lane;
+        const int4 v = e < U ? uniq[e] : make_int4(0, 0, 0, 0);
+        const uint32_t msk = uint32_t(v.z | v.w), bits = __ballot_sync(kFull, (msk >> warp) & 1u);
+        const int rank = run + __popc(bits & ((1u << lane) - 1u));
+        run += __popc(bits);
+        if (e < U && msk != 0u && __ffs(int(msk)) - 1 == warp) key[e] = (rank * 32 + warp) * 1024 + e;
+        if (e < U && msk == 0u && warp == 0) key[e] = (1 << 30) + e;
+      }
+    }
+    __syncthreads();
+    for (int e = tid; e < U; e += kTtThreads) {
+      const int k = key[e];
+      int pos = 0;
+      for (int j = 0; j < U; ++j) pos += key[j] < k;
+      order[pos] = uniq[e];
+    }
+    __syncthreads();
+  }
 
   if (warp == kTtWarps) {  // the producer: piece lane % kPieces of rows lane / kPieces + 32 / kPieces * i
     constexpr int kRowsALane = kChunkKeys * kPieces / 32;
     const int pc = lane % kPieces, r0 = lane / kPieces;
     for (int c = 0, used = 0; c < 2 * U; ++c) {
-      const int4 e = uniq[c >> 1];
+      const int4 e = order[c >> 1];
       if ((c & 1 ? e.w : e.z) == 0) continue;
       const int s = used % kStages;
       if (used >= kStages) kernels::mbar_wait(&empty[s], uint32_t(used / kStages - 1) & 1u);
@@ -232,7 +262,7 @@ __global__ void __launch_bounds__(kTtThreads, 1)
   }
 
   for (int c = 0, used = 0; c < 2 * U; ++c) {
-    const int4 e = uniq[c >> 1];
+    const int4 e = order[c >> 1];
     const uint32_t tokens = uint32_t(c & 1 ? e.w : e.z);
     if (tokens == 0) continue;
     const int s = used % kStages;

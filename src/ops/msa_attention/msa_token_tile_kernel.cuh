@@ -39,7 +39,8 @@ struct TtLayout {
 };
 // From a 1024-aligned base (the launch adds 1024 bytes of slack): [0, 1024) the stages' mbarriers
 // (full, empty), scan counts, token ranges; then the union (int4 {id, page, token mask half 0,
-// half 1}), e4m3: the queries' per-row factors; the queries [token][head][256 bytes] and the
+// half 1}) in id order, the same in token-balanced order (the stream's) and its sort keys, e4m3:
+// the queries' per-row factors; the queries [token][head][256 bytes] and the
 // stages, 1024-aligned (the ldmatrix addresses are formed by XOR within a row; the copy engine's
 // 128-byte swizzle needs it). Before the loop the stage area holds the raw ids and the union's
 // page bitmap. `total` counts the slack.

@@ -28,10 +28,11 @@ namespace {
 // q ^ (r % 8); rows at or past seq_len zero-filled). Every consumer warp releases every stage, its
 // token's chunk or not.
 constexpr int kTtWarps = 8, kTtThreads = (kTtWarps + 1) * 32;
-// Stages: five 32-KiB bf16 chunks or ten 16-KiB e4m3 chunks (160 KiB in flight; with topk 16 a sixth
-// bf16 stage would leave no room to align the stages). Compile-time counts keep the ring arithmetic
-// cheap.
-__host__ __device__ constexpr int tt_stages(bool fp8) { return fp8 ? 10 : 5; }
+// Stages: five 32-KiB bf16 chunks (160 KiB in flight; with topk 16 a sixth would leave no room to
+// align the stages) or eleven 16-KiB e4m3 chunks (176 KiB: 215 KiB in all at topk 16; 1.004-1.012x
+// over ten on the H200, session 37; topk 64 then fits up to ~469 blocks a request, past that the
+// launcher keeps the wgmma tiles). Compile-time counts keep the ring arithmetic cheap.
+__host__ __device__ constexpr int tt_stages(bool fp8) { return fp8 ? 11 : 5; }
 __host__ __device__ constexpr int tt_chunk_bytes(bool fp8) { return kChunkKeys * cache_row_bytes(fp8); }
 
 struct TtLayout {

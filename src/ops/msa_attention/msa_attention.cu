@@ -101,6 +101,19 @@ void raise_smem_limit(std::initializer_list<KernelFn> fns, int smem) {
   for (KernelFn fn : fns) detail::raise_smem_limit(reinterpret_cast<const void*>(fn), smem);
 }
 
+// One launch of an MSA kernel: through cudaLaunchKernelEx as clusters of cluster_z CTAs along z
+// and / or as a programmatic dependent, else a plain launch.
+void launch_msa(KernelFn fn, dim3 grid, unsigned threads, int smem, unsigned cluster_z, bool pdl, const MsaParams& p,
+                int stages, CUstream_st* stream, const char* name) {
+  if (cluster_z > 1 || pdl) {
+    const detail::LaunchEx ex(grid, dim3(threads), size_t(smem), stream, cluster_z, pdl);
+    M3RT_CUDA_CHECK(cudaLaunchKernelEx(&ex.lc, fn, p, stages));
+  } else {
+    fn<<<grid, threads, smem, stream>>>(p, stages);
+  }
+  M3RT_LAUNCH_CHECK(stream, name);
+}
+
 // The cache [num_cache_blocks, Hkv, 128, 256] as a tensor map {row element, key, KV head, page}
 // with boxes of 128 bytes x 64 keys (bf16: 64 dims; e4m3: 128; one 128-byte-swizzled region of a
 // stage), written into
@@ -466,16 +479,17 @@ bool msa_decode1_read_floor_launch(const MsaParams& p, unsigned* sink, CUstream_
 // 64-row wgmma tile in the same call (session 35): e4m3 prefill 8K 1.19x, 32K 1.58x, 32K shared8
 // 1.08x, verify B32 1.02x; bf16 prefill 8K 0.98x, 32K 1.05x, 32K shared8 0.90x, verify 0.88x, so
 // bf16 pages keep the wgmma tiles. M3RT_MSA_TOKEN_TILE=0: never; =1: bf16 pages too; =2: also
-// unsplit decode from dql 2 (benchmarks, tests).
-bool use_token_tile(const MsaParams& p) {
+// unsplit decode from dql 2 (benchmarks, tests). Returns the tile's dynamic shared memory, 0 where
+// it does not run.
+int token_tile_smem(const MsaParams& p) {
   if (p.num_heads != 16 * p.num_kv_heads || p.num_splits > 1 || p.mixed_whole > 0 ||
       msa_group_tokens(16, 0) != kTtWarps || !kernels::hopper_paths_run())
-    return false;
+    return 0;
   const int mode = env_int("M3RT_MSA_TOKEN_TILE", -1);
   if (mode == 0 || (mode < 0 && !p.fp8) || (!p.cu_seqlens_q && p.decode_query_len < (mode >= 2 ? 2 : 8)))
-    return false;
-  return tt_layout(p.fp8, p.topk_k, p.max_blocks).total <= detail::device_limits().smem_optin &&
-         tt_bitmap_fits(p.fp8, p.topk_k, p.max_blocks);
+    return 0;
+  const int smem = tt_layout(p.fp8, p.topk_k, p.max_blocks).total;
+  return smem <= detail::device_limits().smem_optin && tt_bitmap_fits(p.fp8, p.topk_k, p.max_blocks) ? smem : 0;
 }
 // The token tile's instance: e4m3 or bf16 pages, P rounded once or not, stages filled by the copy
 // engine (the cache's tensor map) or, with M3RT_MSA_TT_TMA=0 only (benchmarks), by the producer
@@ -488,22 +502,15 @@ KernelFn token_tile_fn(const MsaParams& p) {
   return p.p16 ? msa_token_tile_kernel<false, true, kTma> : msa_token_tile_kernel<false, false, kTma>;
 }
 // Returns false, launching nothing, when the cache has no tensor map (and cp.async is not forced).
-bool token_tile_launch(const MsaParams& p_in, int64_t groups, CUstream_st* stream) {
+bool token_tile_launch(const MsaParams& p_in, int64_t groups, int smem, CUstream_st* stream) {
   MsaParams p = p_in;
-  const int stages = tt_stages(p.fp8), smem = tt_layout(p.fp8, p.topk_k, p.max_blocks).total;
   const bool forced_cp_async = env_int("M3RT_MSA_TT_TMA", 1) == 0;
   const bool tma = !forced_cp_async && encode_cache_map(p);
   if (!tma && !forced_cp_async) return false;
   const KernelFn fn = tma ? token_tile_fn<true>(p) : token_tile_fn<false>(p);
   detail::raise_smem_limit(reinterpret_cast<const void*>(fn), smem);
-  const dim3 grid(unsigned(groups), unsigned(p.num_kv_heads));
-  if (p.pdl) {
-    const detail::LaunchEx ex(grid, dim3(kTtThreads), size_t(smem), stream, 1u, true);
-    M3RT_CUDA_CHECK(cudaLaunchKernelEx(&ex.lc, fn, p, stages));
-  } else {
-    fn<<<grid, kTtThreads, smem, stream>>>(p, stages);
-  }
-  M3RT_LAUNCH_CHECK(stream, "msa_token_tile_kernel");
+  launch_msa(fn, dim3(unsigned(groups), unsigned(p.num_kv_heads)), kTtThreads, smem, 1u, p.pdl, p, tt_stages(p.fp8),
+             stream, "msa_token_tile_kernel");
   return true;
 }
 
@@ -519,7 +526,7 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
                     "at most 2^31 row groups and 65535 KV heads on a GPU");
   if (splits > kMaxSplits || (splits > 1 && (p.part_o == nullptr || p.part_ml == nullptr || p.counters == nullptr)))
     throw Error("msa_attention: split decode without its scratch (internal)");
-  if (use_token_tile(p) && token_tile_launch(p, groups, stream)) return;
+  if (const int tt_smem = token_tile_smem(p); tt_smem > 0 && token_tile_launch(p, groups, tt_smem, stream)) return;
   const bool d1 = !p.cu_seqlens_q && use_decode1(p.decode_query_len);
   MsaParams call = p;
   const bool mixed = d1 && p.mixed_whole > 0;
@@ -556,14 +563,8 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
     const int64_t sms = detail::multiprocessor_count(), slots = sms * cfg.ctas_per_sm;
     call.pdl_trigger = 2 * ctas <= sms || 20 * ctas >= 19 * slots;
   }
-  if (cluster || pdl) {
-    const detail::LaunchEx ex(grid, dim3(unsigned(cluster ? cfg.cluster_threads : cfg.threads)), size_t(cfg.smem),
-                              stream, cluster ? unsigned(splits) : 1u, pdl);
-    M3RT_CUDA_CHECK(cudaLaunchKernelEx(&ex.lc, cluster ? cfg.cluster_fn : cfg.fn, call, cfg.stages));
-  } else {
-    cfg.fn<<<grid, cfg.threads, cfg.smem, stream>>>(call, cfg.stages);
-  }
-  M3RT_LAUNCH_CHECK(stream, d1 ? "msa_decode1_kernel" : "msa_sparse_kernel");
+  launch_msa(cluster ? cfg.cluster_fn : cfg.fn, grid, unsigned(cluster ? cfg.cluster_threads : cfg.threads), cfg.smem,
+             cluster ? unsigned(splits) : 1u, pdl, call, cfg.stages, stream, d1 ? "msa_decode1_kernel" : "msa_sparse_kernel");
 }
 
 }  // namespace m3rt

@@ -206,6 +206,30 @@ void expect_throws_and_untouched(Call& call, const std::vector<TensorView>& watc
     EXPECT_EQ(bytes_of(watched[i]), before[i]) << "tensor " << i << " was written before the error";
 }
 
+// An edit that makes a valid call invalid, and the argument and value its error must name.
+template <class Call>
+struct BadEdit {
+  std::function<void(Call&)> edit;
+  const char* arg;
+  const char* value;
+};
+// A fresh Call runs; each case's edit of a fresh Call throws naming `arg = value` and leaves every
+// tensor `watched` names as it was.
+template <class Call>
+void expect_edits_throw_untouched(const std::vector<BadEdit<Call>>& cases,
+                                  const std::function<std::vector<TensorView>(Call&)>& watched) {
+  {
+    Call ok;
+    EXPECT_NO_THROW(ok.call());
+  }
+  for (const BadEdit<Call>& c : cases) {
+    SCOPED_TRACE(c.arg);
+    Call call;
+    c.edit(call);
+    expect_throws_and_untouched(call, watched(call), c.arg, c.value);
+  }
+}
+
 // ---- random device-resident indices on the CPU path: run, or throw and write nothing -----------
 
 // Random contents for a contiguous int32 or int64 index tensor: each element in [lo, hi] four times

@@ -690,65 +690,42 @@ TEST(MsaDecodeShapeErrors, ValidateAndConstructor) {
 // ---- inconsistent device-resident lengths and page ids: throw, write nothing ------------------
 
 TEST(MsaOutOfRange, PrefillLengthsAndPages) {
-  const struct {
-    std::function<void(PrefillCall&)> edit;
-    const char* arg;
-    const char* value;
-  } cases[] = {
-      {[](PrefillCall& c) { set_i32(c.a.cu_seqlens_q, {1, 2, 5}); }, "cu_seqlens_q[0]", "1"},
-      {[](PrefillCall& c) { set_i32(c.a.cu_seqlens_q, {0, 6, 5}); }, "cu_seqlens_q[2]", "5"},
-      {[](PrefillCall& c) { set_i32(c.a.cu_seqlens_q, {0, 2, 4}); }, "cu_seqlens_q[2]", "4"},
-      {[](PrefillCall& c) { c.a.max_query_len = 2; }, "cu_seqlens_q[2] - cu_seqlens_q[1]", "3"},
-      {[](PrefillCall& c) { set_i32(c.a.seq_lens, {2, 2}); }, "seq_lens[1]", "2"},
-      {[](PrefillCall& c) { set_i32(c.a.seq_lens, {2, 513}); }, "seq_lens[1]", "513"},
-      {[](PrefillCall& c) { c.a.block_table.ptr<int32_t>()[6] = 4; }, "block_table[1][2]", "4"},
-      {[](PrefillCall& c) { c.a.block_table.ptr<int32_t>()[5] = -1; }, "block_table[1][1]", "-1"},
-      // An entry only the top-k of one row selects (request 0's column 1 becomes visible with
-      // seq_len 200; row 1 of head 1 selects it).
-      {[](PrefillCall& c) {
-         set_i32(c.a.seq_lens, {200, 300});
-         c.set_row(5 + 1, {1, -1, -1, -1});
-       },
-       "block_table[0][1]", "-1"},
-  };
-  {
-    PrefillCall ok;  // garbage in unused table entries (-1, 99, -5, 7) is fine
-    EXPECT_NO_THROW(ok.call());
-  }
-  for (const auto& c : cases) {
-    SCOPED_TRACE(c.arg);
-    PrefillCall call;
-    c.edit(call);
-    expect_throws_and_untouched(call, {call.a.out, call.a.lse}, c.arg, c.value);
-  }
+  // Garbage in unused table entries (-1, 99, -5, 7) is fine: the unedited call runs.
+  expect_edits_throw_untouched<PrefillCall>(
+      {
+        {[](PrefillCall& c) { set_i32(c.a.cu_seqlens_q, {1, 2, 5}); }, "cu_seqlens_q[0]", "1"},
+        {[](PrefillCall& c) { set_i32(c.a.cu_seqlens_q, {0, 6, 5}); }, "cu_seqlens_q[2]", "5"},
+        {[](PrefillCall& c) { set_i32(c.a.cu_seqlens_q, {0, 2, 4}); }, "cu_seqlens_q[2]", "4"},
+        {[](PrefillCall& c) { c.a.max_query_len = 2; }, "cu_seqlens_q[2] - cu_seqlens_q[1]", "3"},
+        {[](PrefillCall& c) { set_i32(c.a.seq_lens, {2, 2}); }, "seq_lens[1]", "2"},
+        {[](PrefillCall& c) { set_i32(c.a.seq_lens, {2, 513}); }, "seq_lens[1]", "513"},
+        {[](PrefillCall& c) { c.a.block_table.ptr<int32_t>()[6] = 4; }, "block_table[1][2]", "4"},
+        {[](PrefillCall& c) { c.a.block_table.ptr<int32_t>()[5] = -1; }, "block_table[1][1]", "-1"},
+        // An entry only the top-k of one row selects (request 0's column 1 becomes visible with
+        // seq_len 200; row 1 of head 1 selects it).
+        {[](PrefillCall& c) {
+           set_i32(c.a.seq_lens, {200, 300});
+           c.set_row(5 + 1, {1, -1, -1, -1});
+         },
+         "block_table[0][1]", "-1"},
+      },
+      [](PrefillCall& c) { return std::vector<TensorView>{c.a.out, c.a.lse}; });
 }
 
 TEST(MsaOutOfRange, DecodeLengthsAndPages) {
-  const struct {
-    std::function<void(DecodeCall&)> edit;
-    const char* arg;
-    const char* value;
-  } cases[] = {
-      {[](DecodeCall& c) { set_i32(c.a.seq_lens, {0, 1, -3}); }, "seq_lens[2]", "-3"},
-      {[](DecodeCall& c) { set_i32(c.a.seq_lens, {0, 1, 385}); }, "seq_lens[2]", "385"},
-      {[](DecodeCall& c) { c.a.block_table.ptr<int32_t>()[7] = 3; }, "block_table[2][1]", "3"},
-      {[](DecodeCall& c) {
-         set_i32(c.a.seq_lens, {0, 129, 200});
-         c.a.topk.ptr<int32_t>()[2 * 2] = 1;  // row 2 (request 1, p 127): block 1 is not visible
-         c.a.topk.ptr<int32_t>()[3 * 2 + 1] = 1;  // row 3 (p 128) selects it: page 9
-       },
-       "block_table[1][1]", "9"},
-  };
-  {
-    DecodeCall ok;
-    EXPECT_NO_THROW(ok.call());
-  }
-  for (const auto& c : cases) {
-    SCOPED_TRACE(c.arg);
-    DecodeCall call;
-    c.edit(call);
-    expect_throws_and_untouched(call, {call.a.out, call.a.lse}, c.arg, c.value);
-  }
+  expect_edits_throw_untouched<DecodeCall>(
+      {
+        {[](DecodeCall& c) { set_i32(c.a.seq_lens, {0, 1, -3}); }, "seq_lens[2]", "-3"},
+        {[](DecodeCall& c) { set_i32(c.a.seq_lens, {0, 1, 385}); }, "seq_lens[2]", "385"},
+        {[](DecodeCall& c) { c.a.block_table.ptr<int32_t>()[7] = 3; }, "block_table[2][1]", "3"},
+        {[](DecodeCall& c) {
+           set_i32(c.a.seq_lens, {0, 129, 200});
+           c.a.topk.ptr<int32_t>()[2 * 2] = 1;  // row 2 (request 1, p 127): block 1 is not visible
+           c.a.topk.ptr<int32_t>()[3 * 2 + 1] = 1;  // row 3 (p 128) selects it: page 9
+         },
+         "block_table[1][1]", "9"},
+      },
+      [](DecodeCall& c) { return std::vector<TensorView>{c.a.out, c.a.lse}; });
 }
 
 TEST(MsaOutOfRange, SkippedEntriesAreNeverChecked) {

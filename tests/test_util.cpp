@@ -92,6 +92,24 @@ std::vector<int64_t> make_positions(Rng& r, int64_t n) {
   return p;
 }
 
+std::vector<int32_t> query_offsets(int B, int dql, const std::vector<int>& q_lens, int& max_query_len) {
+  std::vector<int32_t> c(static_cast<size_t>(B) + 1, 0);
+  for (int b = 0; b < B; ++b) {
+    const int ql = dql ? dql : q_lens[size_t(b)];
+    c[size_t(b) + 1] = c[size_t(b)] + ql;
+    max_query_len = std::max(max_query_len, ql);
+  }
+  return c;
+}
+
+std::vector<int32_t> page_order(const Rng& r, int pages, bool shuffle) {
+  std::vector<int32_t> perm(static_cast<size_t>(pages));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::mt19937_64 page_rng(r.seed ^ 0x5eedu);
+  if (shuffle) std::shuffle(perm.begin(), perm.end(), page_rng);
+  return perm;
+}
+
 // ---- comparisons --------------------------------------------------------------------------------
 
 int dist16(DType dt, uint16_t a, uint16_t b) {

@@ -74,6 +74,13 @@ Tensor rope_table(int R);
 std::vector<int64_t> make_slots(Rng& r, int64_t n, int64_t num_slots);
 // Random positions in [0, max_pos), the first max_pos - 1 and the second 0.
 std::vector<int64_t> make_positions(Rng& r, int64_t n);
+// A batch's query offsets [B + 1] (cu_seqlens_q): request b has dql tokens (decode, dql > 0) or
+// q_lens[b] (prefill, dql == 0); max_query_len gets the longest.
+std::vector<int32_t> query_offsets(int B, int dql, const std::vector<int>& q_lens, int& max_query_len);
+// The order of a test cache's pages in its block table: 0 .. pages - 1, shuffled (when `shuffle`)
+// by a generator of its own seeded from r, so that a shuffled and an identity table hold the same
+// keys when both draw the cache from r.
+std::vector<int32_t> page_order(const Rng& r, int pages, bool shuffle);
 
 // ---- comparisons --------------------------------------------------------------------------------
 

@@ -55,12 +55,7 @@ struct Problem {
 
   Problem& build(Rng& r) {
     const int B = int(seq_lens.size());
-    std::vector<int32_t> c(static_cast<size_t>(B) + 1, 0);
-    for (int b = 0; b < B; ++b) {
-      const int ql = dql ? dql : q_lens[size_t(b)];
-      c[size_t(b) + 1] = c[size_t(b)] + ql;
-      max_query_len = std::max(max_query_len, ql);
-    }
+    const std::vector<int32_t> c = query_offsets(B, dql, q_lens, max_query_len);
     T = c.back();
     int used = 0;
     width = 1;
@@ -69,10 +64,7 @@ struct Problem {
       width = std::max(width, blocks(len) + 3);
     }
     pages = used + 2;
-    std::vector<int32_t> perm(static_cast<size_t>(pages));
-    std::iota(perm.begin(), perm.end(), 0);
-    std::mt19937_64 page_rng(r.seed ^ 0x5eedu);
-    if (shuffle) std::shuffle(perm.begin(), perm.end(), page_rng);
+    const std::vector<int32_t> perm = page_order(r, pages, shuffle);
     table = Tensor::empty({B, width}, DType::kInt32);
     int next = 0;
     for (int b = 0; b < B; ++b)

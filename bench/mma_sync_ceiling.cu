@@ -1,0 +1,111 @@
+// The tensor-core ceiling of the MSA per-token tile's instruction mix (msa_token_tile_kernel), on
+// the GPU: warp-level m16n8k16 MMAs (f16 or bf16 in, fp32 accumulate) issued from registers with no
+// memory traffic, at a chosen number of warps an SM, with or without the e4m3 -> f16 conversions
+// the e4m3 tile runs beside them (the tile's ratio: 256 `cvt.rn.f16x2.e4m3x2` to 192 MMAs a token
+// and 64-key chunk, 4 : 3), and with the tile's P-residue pattern (two MMAs into one accumulator
+// back to back). Reported as TFLOP/s of MMA work (2 * 16 * 8 * 16 a warp MMA), beside the rate at
+// 32 warps an SM, so that the tile's rate (docs/perf.md, msa_attention) reads against what its
+// nine warps (eight computing) can issue at all. Standalone (no m3rt library), built as
+// m3rt_mma_sync_ceiling in CUDA builds; run on the GPU machine: build/m3rt_mma_sync_ceiling.
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cstdio>
+#include <cstdint>
+#include <vector>
+#include <algorithm>
+#include "standalone_check.h"
+
+template <bool kF16>
+__device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                    uint32_t b1) {
+  if constexpr (kF16)
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Each warp: `iters` rounds of 12 MMAs into 12 accumulators (independent: kPairs = false; as 6
+// value / residue pairs, the second of a pair right after the first: kPairs = true) and, with
+// kCvt, 16 conversions whose results feed the next round's A operands (so they cannot be dropped).
+template <bool kF16, bool kCvt, bool kPairs>
+__global__ void mma_loop(int iters, float* out) {
+  float acc[12][4] = {};
+  uint32_t a[4] = {0x3c003c00u ^ threadIdx.x, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u ^ blockIdx.x};
+  const uint32_t b0 = 0x00010001u * (threadIdx.x & 7), b1 = 0x3c00u;
+  uint32_t codes = 0x38383838u ^ threadIdx.x;
+  for (int it = 0; it < iters; ++it) {
+#pragma unroll
+    for (int i = 0; i < 12; ++i) {
+      mma<kF16>(acc[kPairs ? i & ~1 : i], a[0], a[1], a[2], a[3], b0 ^ uint32_t(i), b1);  // pairs: i, i + 1
+    }
+    if constexpr (kCvt) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {  // 16 conversions: 4 : 3 against 12 MMAs
+        uint32_t lo = 0, hi = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890  // the instruction exists from sm_89; main skips it below
+        asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+            : "=r"(lo), "=r"(hi)
+            : "r"(codes));
+#endif
+        a[j & 3] ^= lo ^ hi;
+        codes += 0x01010101u;
+      }
+    }
+  }
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 12; ++i) s += acc[i][0] + acc[i][1] + acc[i][2] + acc[i][3];
+  if (s == 12345.f) out[blockIdx.x * blockDim.x + threadIdx.x] = s;  // keeps the loop
+}
+
+template <bool kF16, bool kCvt, bool kPairs>
+double run(int warps, int sms, int iters) {
+  float* out;
+  CK(cudaMalloc(&out, size_t(sms) * 1024 * sizeof(float)));
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  // One CTA a SM: a grid of one CTA per SM spreads one to each (the block scheduler's round robin
+  // over idle SMs).
+  const int ctas = sms;
+  mma_loop<kF16, kCvt, kPairs><<<ctas, warps * 32>>>(iters / 10, out);
+  CK(cudaDeviceSynchronize());
+  std::vector<float> ts;
+  for (int r = 0; r < 5; ++r) {
+    cudaEventRecord(e0);
+    mma_loop<kF16, kCvt, kPairs><<<ctas, warps * 32>>>(iters, out);
+    cudaEventRecord(e1);
+    CK(cudaEventSynchronize(e1));
+    float ms;
+    cudaEventElapsedTime(&ms, e0, e1);
+    ts.push_back(ms);
+  }
+  std::sort(ts.begin(), ts.end());
+  CK(cudaFree(out));
+  const double flops = double(ctas) * warps * iters * 12 * (2.0 * 16 * 8 * 16);
+  return flops / (ts[2] * 1e-3) / 1e12;
+}
+
+int main() {
+  int dev = 0, sms = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, dev));
+  std::printf("%s, %d SMs; TFLOP/s of m16n8k16 MMA work, one CTA an SM (0: no e4m3 conversion before sm_89)\n",
+              prop.name, sms);
+  std::printf("%-6s %10s %10s %12s %12s %12s\n", "warps", "f16", "bf16", "f16+cvt 4:3", "f16 pairs",
+              "f16 pairs+cvt");
+  const int iters = 20000;
+  const bool cvt = prop.major * 10 + prop.minor >= 89;  // cvt.rn.f16x2.e4m3x2
+  for (int w : {4, 8, 9, 12, 16, 24, 32}) {
+    std::printf("%-6d %10.0f %10.0f %12.0f %12.0f %12.0f\n", w, run<true, false, false>(w, sms, iters),
+                run<false, false, false>(w, sms, iters), cvt ? run<true, true, false>(w, sms, iters) : 0.0,
+                run<true, false, true>(w, sms, iters), cvt ? run<true, true, true>(w, sms, iters) : 0.0);
+  }
+  return 0;
+}

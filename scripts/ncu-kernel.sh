@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Profiles one launch of one kernel with Nsight Compute (full set, source correlation) and prints
 # the headline metrics and the hottest source lines (scripts/ncu-lines.py). For the GPU machine;
-# build with -DCMAKE_CUDA_FLAGS=-lineinfo for the source lines.
+# every CUDA target is built with -lineinfo (cmake/m3rt_cuda.cmake), so the source lines are there.
 #   scripts/ncu-kernel.sh NAME KERNEL_SUBSTRING SKIP CMD...
 # NAME labels the report ($OUT/NAME.ncu-rep when OUT is set, else /tmp), KERNEL_SUBSTRING is a part
 # of the kernel's mangled name, SKIP how many matching launches to pass over first; the application

@@ -476,9 +476,10 @@ bool msa_decode1_read_floor_launch(const MsaParams& p, unsigned* sink, CUstream_
 // The per-token tile (msa_token_tile_kernel) serves e4m3 prefill and unsplit e4m3 decode with
 // dql >= 8 (verify) at 16 query heads a KV head on the Hopper paths, where its shared memory fits
 // the opt-in limit and the request's block bitmap the stage area. H200, M3 shapes, against the
-// 64-row wgmma tile in the same call (session 35): e4m3 prefill 8K 1.19x, 32K 1.58x, 32K shared8
-// 1.08x, verify B32 1.02x; bf16 prefill 8K 0.98x, 32K 1.05x, 32K shared8 0.90x, verify 0.88x, so
-// bf16 pages keep the wgmma tiles. M3RT_MSA_TOKEN_TILE=0: never; =1: bf16 pages too; =2: also
+// 64-row (verify: 128-row) wgmma tile in the same call: e4m3 prefill 8K 1.19x, 32K 1.58x, 32K
+// shared8 1.08x, verify B32 1.02x (session 35; with the ordered union, session 37: 8K 1.22x, verify
+// 1.05x, and 32K 1.13x over session 35's tile); bf16 prefill 8K 0.98x, 32K 1.05x, 32K shared8
+// 0.90x, verify 0.88x (session 35, before the ordered union), so bf16 pages keep the wgmma tiles. M3RT_MSA_TOKEN_TILE=0: never; =1: bf16 pages too; =2: also
 // unsplit decode from dql 2 (benchmarks, tests). Returns the tile's dynamic shared memory, 0 where
 // it does not run.
 int token_tile_smem(const MsaParams& p) {

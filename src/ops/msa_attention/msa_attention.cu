@@ -479,9 +479,9 @@ bool msa_decode1_read_floor_launch(const MsaParams& p, unsigned* sink, CUstream_
 // 64-row (verify: 128-row) wgmma tile in the same call: e4m3 prefill 8K 1.19x, 32K 1.58x, 32K
 // shared8 1.08x, verify B32 1.02x (session 35; with the ordered union, session 37: 8K 1.22x, verify
 // 1.05x, and 32K 1.13x over session 35's tile); bf16 prefill 8K 0.98x, 32K 1.05x, 32K shared8
-// 0.90x, verify 0.88x (session 35, before the ordered union), so bf16 pages keep the wgmma tiles. M3RT_MSA_TOKEN_TILE=0: never; =1: bf16 pages too; =2: also
-// unsplit decode from dql 2 (benchmarks, tests). Returns the tile's dynamic shared memory, 0 where
-// it does not run.
+// 0.90x, verify 0.88x (session 35, before the ordered union), so bf16 pages keep the wgmma tiles.
+// M3RT_MSA_TOKEN_TILE=0: never; =1: bf16 pages too; =2: also unsplit decode from dql 2
+// (benchmarks, tests). Returns the tile's dynamic shared memory, 0 where it does not run.
 int token_tile_smem(const MsaParams& p) {
   if (p.num_heads != 16 * p.num_kv_heads || p.num_splits > 1 || p.mixed_whole > 0 ||
       msa_group_tokens(16, 0) != kTtWarps || !kernels::hopper_paths_run())
@@ -565,7 +565,8 @@ void msa_attention_launch(const MsaParams& p, CUstream_st* stream) {
     call.pdl_trigger = 2 * ctas <= sms || 20 * ctas >= 19 * slots;
   }
   launch_msa(cluster ? cfg.cluster_fn : cfg.fn, grid, unsigned(cluster ? cfg.cluster_threads : cfg.threads), cfg.smem,
-             cluster ? unsigned(splits) : 1u, pdl, call, cfg.stages, stream, d1 ? "msa_decode1_kernel" : "msa_sparse_kernel");
+             cluster ? unsigned(splits) : 1u, pdl, call, cfg.stages, stream,
+             d1 ? "msa_decode1_kernel" : "msa_sparse_kernel");
 }
 
 }  // namespace m3rt

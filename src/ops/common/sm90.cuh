@@ -135,17 +135,22 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t leading_b
 // K-major: 8-row groups 1024 bytes apart (the leading offset is unused for swizzled K-major).
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) { return sw128_desc(addr, 16, 1024); }
 
-#define M3RT_WGMMA_ACC32 \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
-      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), \
-      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), \
-      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define M3RT_WGMMA_ACC8 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+#define M3RT_WGMMA_ACC16                                                                                           \
+  M3RT_WGMMA_ACC8, "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), \
+      "+f"(d[15])
+#define M3RT_WGMMA_ACC32                                                                                            \
+  M3RT_WGMMA_ACC16, "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), \
+      "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),    \
+      "+f"(d[31])
 #define M3RT_WGMMA_ACC64 \
   M3RT_WGMMA_ACC32, "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), \
       "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), \
       "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), \
       "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), \
       "+f"(d[63])
+#define M3RT_WGMMA_REGS8 "{%0, %1, %2, %3, %4, %5, %6, %7}"
+#define M3RT_WGMMA_REGS16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define M3RT_WGMMA_REGS32                                                                                            \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
   "%24, %25, %26, %27, %28, %29, %30, %31}"
@@ -154,9 +159,9 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) { return sw128_des
   "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "   \
   "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
-// d (+)= A B, wgmma m64nNk16 (N = 64 or 128): A = four 16-bit pair registers per thread (the
-// m16n8k16 A fragment of the thread's warp's 16 rows), B by descriptor; kF16 selects f16 over bf16
-// inputs; kTransB reads B MN-major; kAccumulate false overwrites d.
+// d (+)= A B, wgmma m64nNk16 (N = 16, 32, 64 or 128): A = four 16-bit pair registers per thread
+// (the m16n8k16 A fragment of the thread's warp's 16 rows), B by descriptor; kF16 selects f16 over
+// bf16 inputs; kTransB reads B MN-major; kAccumulate false overwrites d.
 #define M3RT_WGMMA_BODY(N, REGS, A0, A1, A2, A3, ACCUM, DESC, TNSP, TYPE, ACC)                                   \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #ACCUM ", 0;\n"                                                 \
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " REGS ", {%" #A0 ", %" #A1        \
@@ -166,8 +171,16 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) { return sw128_des
 
 template <int N, bool kF16, bool kTransB = false, bool kAccumulate = true>
 __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc) {
-  static_assert(N == 64 || N == 128, "m64n64k16 and m64n128k16");
-  if constexpr (N == 128 && kF16)
+  static_assert(N == 16 || N == 32 || N == 64 || N == 128, "m64n{16,32,64,128}k16");
+  if constexpr (N == 16 && kF16)
+    M3RT_WGMMA_BODY(16, M3RT_WGMMA_REGS8, 8, 9, 10, 11, 12, 13, 14, "f16", M3RT_WGMMA_ACC8);
+  else if constexpr (N == 16)
+    M3RT_WGMMA_BODY(16, M3RT_WGMMA_REGS8, 8, 9, 10, 11, 12, 13, 14, "bf16", M3RT_WGMMA_ACC8);
+  else if constexpr (N == 32 && kF16)
+    M3RT_WGMMA_BODY(32, M3RT_WGMMA_REGS16, 16, 17, 18, 19, 20, 21, 22, "f16", M3RT_WGMMA_ACC16);
+  else if constexpr (N == 32)
+    M3RT_WGMMA_BODY(32, M3RT_WGMMA_REGS16, 16, 17, 18, 19, 20, 21, 22, "bf16", M3RT_WGMMA_ACC16);
+  else if constexpr (N == 128 && kF16)
     M3RT_WGMMA_BODY(128, M3RT_WGMMA_REGS64, 64, 65, 66, 67, 68, 69, 70, "f16", M3RT_WGMMA_ACC64);
   else if constexpr (N == 128)
     M3RT_WGMMA_BODY(128, M3RT_WGMMA_REGS64, 64, 65, 66, 67, 68, 69, 70, "bf16", M3RT_WGMMA_ACC64);
@@ -191,7 +204,11 @@ __device__ __forceinline__ void wgmma_k128(float (&d)[N / 2], const uint32_t (&a
 #undef M3RT_WGMMA_BODY
 #undef M3RT_WGMMA_REGS64
 #undef M3RT_WGMMA_REGS32
+#undef M3RT_WGMMA_REGS16
+#undef M3RT_WGMMA_REGS8
 #undef M3RT_WGMMA_ACC64
 #undef M3RT_WGMMA_ACC32
+#undef M3RT_WGMMA_ACC16
+#undef M3RT_WGMMA_ACC8
 
 }  // namespace m3rt::kernels

@@ -4,8 +4,8 @@
 // SM. It is the design input for an MSA prefill tile that puts a chunk's 64 keys on M (A = the
 // chunk's K, or V^T, converted once into registers) and one token's 16 query heads on N (B = the
 // token's queries, or P^T), so that a page is converted once and computed once for every token that
-// selected it, with no MMA row spent on a token that did not (msa_attention README, "A keys-as-M
-// tile"). Each round (a chunk's Q K^T for every token) issues 128 / N groups of eight k-steps (one
+// selected it, with no MMA row spent on a token that did not (docs/perf.md, msa_attention, "Session
+// 38"). Each round (a chunk's Q K^T for every token) issues 128 / N groups of eight k-steps (one
 // group a 16-head token at N = 16), each committed on its own, and waits for all at its end. The A
 // registers change every round: "plain" refreshes them by an add (no conversion); "cvt" converts
 // them from e4m3 codes (32 `cvt.rn.f16x2.e4m3x2` a thread for one 64 x 128 operand) once a round

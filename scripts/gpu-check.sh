@@ -113,7 +113,7 @@ step draft-gpu draft.log "$BUILD_DIR/m3rt" draft --device cuda --requests 4 --te
 [ -n "${SKIP_BENCH:-}" ] || step bench bench.log "$BUILD_DIR/m3rt" bench --json "$OUT/bench.json" ${BENCH_ARGS:-}
 [ -n "${SKIP_BENCH:-}" ] || step access-ceiling bench.log "$BUILD_DIR/m3rt_access_ceiling"
 [ -n "${SKIP_BENCH:-}" ] || step fp8-wgmma-precision bench.log "$BUILD_DIR/m3rt_fp8_wgmma_precision"
-[ -n "${SKIP_BENCH:-}" ] || step prefill-tile-probe bench.log "$BUILD_DIR/m3rt_prefill_tile_probe"
+[ -n "${SKIP_BENCH:-}" ] || step prefill-stream-probe bench.log "$BUILD_DIR/m3rt_prefill_stream_probe"
 [ -n "${SKIP_BENCH:-}" ] || step mma-sync-ceiling bench.log "$BUILD_DIR/m3rt_mma_sync_ceiling"
 [ -n "${SKIP_BENCH:-}" ] || step wgmma-ceiling bench.log "$BUILD_DIR/m3rt_wgmma_ceiling"
 

@@ -134,10 +134,7 @@ uint8_t nearest_code(double x, const std::vector<std::pair<double, int>>& sorted
 }  // namespace
 
 int main() {
-  int dev = 0;
-  cudaDeviceProp prop{};
-  CK(cudaGetDevice(&dev));
-  CK(cudaGetDeviceProperties(&prop, dev));
+  const cudaDeviceProp prop = current_device();
   if (prop.major != 9) {
     std::printf("needs a Hopper GPU (found %s, sm_%d%d)\n", prop.name, prop.major, prop.minor);
     return 0;

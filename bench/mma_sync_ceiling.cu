@@ -10,8 +10,6 @@
 #include <cuda_runtime.h>
 #include <cstdio>
 #include <cstdint>
-#include <vector>
-#include <algorithm>
 #include "ops/common/mma.cuh"
 #include "standalone_check.h"
 
@@ -52,38 +50,19 @@ template <bool kF16, bool kCvt, bool kPairs>
 double run(int warps, int sms, int iters) {
   float* out;
   CK(cudaMalloc(&out, size_t(sms) * 1024 * sizeof(float)));
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
   // One CTA a SM: a grid of one CTA per SM spreads one to each (the block scheduler's round robin
-  // over idle SMs).
+  // over idle SMs). A short launch warms up.
   const int ctas = sms;
   mma_loop<kF16, kCvt, kPairs><<<ctas, warps * 32>>>(iters / 10, out);
-  CK(cudaDeviceSynchronize());
-  std::vector<float> ts;
-  for (int r = 0; r < 5; ++r) {
-    cudaEventRecord(e0);
-    mma_loop<kF16, kCvt, kPairs><<<ctas, warps * 32>>>(iters, out);
-    cudaEventRecord(e1);
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    cudaEventElapsedTime(&ms, e0, e1);
-    ts.push_back(ms);
-  }
-  std::sort(ts.begin(), ts.end());
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
+  const float ms = median_ms([&] { mma_loop<kF16, kCvt, kPairs><<<ctas, warps * 32>>>(iters, out); }, 0);
   CK(cudaFree(out));
   const double flops = double(ctas) * warps * iters * 12 * (2.0 * 16 * 8 * 16);
-  return flops / (ts[2] * 1e-3) / 1e12;
+  return flops / (ms * 1e-3) / 1e12;
 }
 
 int main() {
-  int dev = 0, sms = 0;
-  CK(cudaGetDevice(&dev));
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, dev));
+  const cudaDeviceProp prop = current_device();
+  const int sms = prop.multiProcessorCount;
   std::printf("%s, %d SMs; TFLOP/s of m16n8k16 MMA work, one CTA an SM (before sm_89 the conversion is\n"
               "the library's software fallback)\n",
               prop.name, sms);

@@ -25,7 +25,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <map>
 #include <numeric>
 #include <random>
 #include <set>
@@ -140,37 +139,13 @@ Problem make_problem(int L, std::mt19937_64& rng) {
 
 float time_ms(const Args& a, dim3 grid) {
   CK(cudaFuncSetAttribute(stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem + 1024));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 2; ++i) stream_kernel<<<grid, kThreads, kSmem + 1024>>>(a);
-  CK(cudaGetLastError());
-  std::vector<float> ms;
-  for (int rep = 0; rep < 5; ++rep) {
-    CK(cudaEventRecord(e0));
-    stream_kernel<<<grid, kThreads, kSmem + 1024>>>(a);
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    float x = 0;
-    CK(cudaEventElapsedTime(&x, e0, e1));
-    ms.push_back(x);
-  }
-  CK(cudaGetLastError());
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return median_ms([&] { stream_kernel<<<grid, kThreads, kSmem + 1024>>>(a); }, 2);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  int dev = 0;
-  cudaDeviceProp prop{};
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaGetDeviceProperties(&prop, dev) != cudaSuccess) {
-    std::printf("m3rt_prefill_stream_probe: no CUDA device\n");
-    return 1;
-  }
+  const cudaDeviceProp prop = current_device();
   if (!m3rt::kernels::kBuiltForSm90a || prop.major != 9) {
     std::printf("m3rt_prefill_stream_probe: skipped: needs a Hopper GPU and a build with sm_90a code; this is %s "
                 "(sm_%d%d)%s\n",

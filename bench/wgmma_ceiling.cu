@@ -17,10 +17,8 @@
 // (no m3rt library), built as m3rt_wgmma_ceiling in CUDA builds with sm_90a code.
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <vector>
 
 #include "ops/common/sm90.cuh"
 #include "standalone_check.h"
@@ -118,28 +116,12 @@ double run(int wgs, int sms, int rounds) {
   CK(cudaMalloc(&out, size_t(sms) * kMaxWg * 128 * sizeof(float)));
   const int smem = kImage * (kWriteB ? 2 * wgs : 1) + 1024;
   CK(cudaFuncSetAttribute(wg_loop<N, kCvtCols, kCvt, kWriteB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  wg_loop<N, kCvtCols, kCvt, kWriteB><<<sms, wgs * 128, smem>>>(rounds / 10, out);
-  CK(cudaGetLastError());
-  CK(cudaDeviceSynchronize());
-  std::vector<float> ts;
-  for (int i = 0; i < 5; ++i) {
-    CK(cudaEventRecord(e0));
-    wg_loop<N, kCvtCols, kCvt, kWriteB><<<sms, wgs * 128, smem>>>(rounds, out);
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    ts.push_back(ms);
-  }
-  std::sort(ts.begin(), ts.end());
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
+  wg_loop<N, kCvtCols, kCvt, kWriteB><<<sms, wgs * 128, smem>>>(rounds / 10, out);  // a short warm-up
+  const float ms =
+      median_ms([&] { wg_loop<N, kCvtCols, kCvt, kWriteB><<<sms, wgs * 128, smem>>>(rounds, out); }, 0);
   CK(cudaFree(out));
   const double flops = double(sms) * wgs * rounds * (2.0 * 64 * kCols * kDims);
-  return flops / (ts[2] * 1e-3) / 1e12;
+  return flops / (ms * 1e-3) / 1e12;
 }
 
 template <int N>
@@ -150,11 +132,8 @@ void row(int wgs, int sms, int rounds) {
 }
 
 int main() {
-  int dev = 0, sms = 0;
-  CK(cudaGetDevice(&dev));
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, dev));
+  const cudaDeviceProp prop = current_device();
+  const int sms = prop.multiProcessorCount;
   if (prop.major != 9 || !m3rt::kernels::kBuiltForSm90a) {
     std::printf("wgmma_ceiling: needs a compute capability 9.x GPU and an sm_90a build (%s is %d.%d); skipped\n",
                 prop.name, prop.major, prop.minor);

@@ -153,20 +153,16 @@ bool near16(DType dt, uint16_t got, double exact, double term, double slack) {
   return term > 0 && std::fabs(from16(dt, got) - exact) <= 0x1p-15 * term + slack + ulp16(dt, exact);
 }
 
-// GCC 12 at -O2/-O3 reports a bogus -Wrestrict on `"literal" + std::string` here (GCC bug 105329;
-// it did not when this function had internal linkage in each test file).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wrestrict"
-#endif
+// "[i,j,...]". Appended piece by piece: `"literal" + std::string` here drew a bogus -Wrestrict
+// from GCC 12 at -O2/-O3 (GCC bug 105329).
 std::string at(std::initializer_list<int64_t> idx) {
-  std::string s;
-  for (int64_t i : idx) s += (s.empty() ? "[" : ",") + std::to_string(i);
+  std::string s = "[";
+  for (int64_t i : idx) {
+    if (s.size() > 1) s += ',';
+    s += std::to_string(i);
+  }
   return s + "]";
 }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
 
 std::string tag(std::initializer_list<std::pair<const char*, int64_t>> kv) {
   std::string s;

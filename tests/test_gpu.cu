@@ -442,7 +442,9 @@ TEST_P(GpuQkInsertPositions, OutsideTheTableLeavesTheTokenUnwritten) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Tokens, GpuQkInsertPositions, ::testing::Values(int64_t(40), int64_t(300), int64_t(900)),
-                         [](const auto& info) { return "T" + std::to_string(info.param); });
+                         [](const auto& info) {  // appended: "T" + std::string drew GCC 12's bogus -Wrestrict
+                           return std::string("T").append(std::to_string(info.param));
+                         });
 
 
 // ------------------------------------------------------------------------------------------------

@@ -12,7 +12,9 @@
 // (a page shared by every token) or once every 32 columns (two tokens a page), alternating two
 // register sets; "P" rewrites a group's B region before its MMAs (N bytes a thread, the async-proxy
 // fence and a warpgroup barrier: P^T stored for P V). ptxas serializes none of these wgmmas at two
-// warpgroups' register budget (at three, the double-buffered variants were serialized).
+// warpgroups' register budget (at three, the double-buffered variants were serialized); every
+// k-step accumulates, so that none is dead (ptxas drops a wgmma whose result is overwritten unread:
+// session 39), and the N = 16 "P+cvt/32col" instance spills 56 bytes (its rate is a lower bound).
 // Reported as TFLOP/s of MMA work, beside m3rt_mma_sync_ceiling's warp-level rates. Standalone
 // (no m3rt library), built as m3rt_wgmma_ceiling in CUDA builds with sm_90a code.
 #include <cuda_runtime.h>
@@ -94,7 +96,12 @@ __global__ void __launch_bounds__(kMaxWg * 128, 1) wg_loop(int rounds, float* ou
           k::named_bar_sync(1 + wg, 128);
         }
         k::wgmma_fence();
-        k::wgmma_k128<N, true>(acc[g], a[cur], bg, uint32_t(N * 128));
+        // Every k-step accumulates: with the first overwriting (wgmma_k128, as the kernels' first
+        // step does), the round before's MMAs of this group were dead and ptxas dropped 7 of every
+        // 16 (session 39: the first run's rates were 16/9 too high).
+#pragma unroll
+        for (int s = 0; s < 8; ++s)
+          k::wgmma_m64k16<N, true>(acc[g], a[cur][s], k::sw128_desc(bg + (s / 4) * uint32_t(N * 128) + (s % 4) * 32));
         k::wgmma_commit();
       }
       k::wgmma_wait<0>();  // a round's scores complete (a chunk's softmax would read them now)

@@ -23,12 +23,15 @@ namespace {
 // thread's rows are dims 2g and 2g + 1: O^T's rows run in that order, which the output undoes.
 // A producer warp streams the group's page union, the chunks some token sees, through the stages,
 // completing on mbarriers: kTma, as the copy engine's 128-byte-swizzled boxes (keys past seq_len
-// land too: in a request's last chunk the producer waits for the boxes, zeroes those keys' V rows
-// and only then marks the stage full, so that no unwritten cache row reaches an MMA and the
-// consumers carry no masks); else by cp.async into key rows (16-byte piece q of key row r at
+// land too: in a request's last chunk the producer waits for the boxes, then bulk-copies zeros
+// over those keys' V rows and the stage completes with them, so that no unwritten cache row
+// reaches an MMA and the consumers carry no masks); else by cp.async into key rows (16-byte piece q of key row r at
 // q ^ (r % 8); rows at or past seq_len zero-filled). Every consumer warp releases every stage, its
 // token's chunk or not.
 constexpr int kTtWarps = 8, kTtThreads = (kTtWarps + 1) * 32;
+// A chunk's worth of zero V rows (64 x 128 bytes), the source of a request's last chunk's rows past
+// seq_len (the producer's bulk copies).
+__device__ const uint4 kTtZeroRows[kChunkKeys * 8] = {};
 // Stages: five 32-KiB bf16 chunks (160 KiB in flight; with topk 16 a sixth would leave no room to
 // align the stages) or eleven 16-KiB e4m3 chunks (176 KiB: 215 KiB in all at topk 16; 1.004-1.012x
 // over ten on the H200, session 37; topk 64 then fits up to ~469 blocks a request, past that the
@@ -213,16 +216,16 @@ __global__ void __launch_bounds__(kTtThreads, 1)
             tma_chunk_boxes<kFp8>(dst, p.cache_map, (c & 1) * kChunkKeys, kv_head, e.y, uint32_t(kChunk), land);
           kernels::mbar_wait(land, land_phase);
           land_phase ^= 1u;
+          // The zeros come by bulk copy from a zero buffer (the rows past seq_len are contiguous in
+          // a box), through the async proxy like the boxes: no generic store to the stages, so no
+          // proxy fence, and the stage's full barrier completes when they land.
           constexpr int kVBox0 = kFp8 ? 1 : 2, kVBoxes = kFp8 ? 1 : 2;
-          const int pieces = (kChunkKeys - vis) * 8;  // 16-byte pieces a V box past seq_len
-          for (int i = lane; i < kVBoxes * pieces; i += 32) {
-            const int b = i / pieces, q = i % pieces;
-            *reinterpret_cast<uint4*>(dst + (kVBox0 + b) * kBox + (vis + q / 8) * 128 + (q % 8) * 16) =
-                make_uint4(0u, 0u, 0u, 0u);
+          const uint32_t bytes = uint32_t(kChunkKeys - vis) * 128u;  // a V box's rows past seq_len
+          if (lane == 0) {
+            kernels::mbar_arrive_expect_tx(&full[s], kVBoxes * bytes);
+            for (int b = 0; b < kVBoxes; ++b)
+              kernels::bulk_copy_to_shared(dst + (kVBox0 + b) * kBox + vis * 128, kTtZeroRows, bytes, &full[s]);
           }
-          kernels::fence_proxy_async();  // before the copy engine writes this stage again
-          __syncwarp();
-          if (lane == 0) kernels::mbar_arrive(&full[s]);
         }
       } else {
         const int64_t key0 = int64_t(e.x) * kPage + (c & 1) * kChunkKeys;

@@ -23,11 +23,15 @@ namespace {
 // thread's rows are dims 2g and 2g + 1: O^T's rows run in that order, which the output undoes.
 // A producer warp streams the group's page union, the chunks some token sees, through the stages,
 // completing on mbarriers: kTma, as the copy engine's 128-byte-swizzled boxes (keys past seq_len
-// land too; the consumers zero their V^T fragment halves, so that no unwritten cache row reaches an
-// MMA with a nonzero weight); else by cp.async into key rows (16-byte piece q of key row r at
+// land too: in a request's last chunk the producer waits for the boxes, then bulk-copies zeros
+// over those keys' V rows and the stage completes with them, so that no unwritten cache row
+// reaches an MMA and the consumers carry no masks); else by cp.async into key rows (16-byte piece q of key row r at
 // q ^ (r % 8); rows at or past seq_len zero-filled). Every consumer warp releases every stage, its
 // token's chunk or not.
 constexpr int kTtWarps = 8, kTtThreads = (kTtWarps + 1) * 32;
+// A chunk's worth of zero V rows (64 x 128 bytes), the source of a request's last chunk's rows past
+// seq_len (the producer's bulk copies).
+__device__ const uint4 kTtZeroRows[kChunkKeys * 8] = {};
 // Stages: five 32-KiB bf16 chunks (160 KiB in flight; with topk 16 a sixth would leave no room to
 // align the stages) or eleven 16-KiB e4m3 chunks (176 KiB: 215 KiB in all at topk 16; 1.004-1.012x
 // over ten on the H200, session 37; topk 64 then fits up to ~469 blocks a request, past that the
@@ -80,6 +84,7 @@ __global__ void __launch_bounds__(kTtThreads, 1)
   const TtLayout L = tt_layout(kFp8, topk, p.max_blocks);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kStages;
+  uint64_t* land = empty + kStages;  // kTma: a request's last chunk lands here first (the producer's)
   int* misc = reinterpret_cast<int*>(smem + 256);         // [0, 9): warp counts, [15]: union size
   int4* tok_range = reinterpret_cast<int4*>(smem + 512);  // per token {lo, hi, nbv, -}
   int4* uniq = reinterpret_cast<int4*>(smem + L.uniq_off);
@@ -110,6 +115,7 @@ __global__ void __launch_bounds__(kTtThreads, 1)
   if (tid < gr.tokens) tok_range[tid] = token_range(p, gr, tid);
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) kernels::mbar_init(&full[s], kTma ? 1 : 32), kernels::mbar_init(&empty[s], kTtWarps);
+    kernels::mbar_init(land, 1);
     kernels::fence_mbarrier_init();
   }
   const int nb_all = gr.seq_len > 0 ? (gr.seq_len + kPage - 1) / kPage : 0;
@@ -189,15 +195,38 @@ __global__ void __launch_bounds__(kTtThreads, 1)
   if (warp == kTtWarps) {  // the producer: piece lane % kPieces of rows lane / kPieces + 32 / kPieces * i
     constexpr int kRowsALane = kChunkKeys * kPieces / 32;
     const int pc = lane % kPieces, r0 = lane / kPieces;
+    uint32_t land_phase = 0;
     for (int c = 0, used = 0; c < 2 * U; ++c) {
       const int4 e = order[c >> 1];
       if ((c & 1 ? e.w : e.z) == 0) continue;
       const int s = used % kStages;
       if (used >= kStages) kernels::mbar_wait(&empty[s], uint32_t(used / kStages - 1) & 1u);
       char* dst = ring + s * kChunk;
-      if constexpr (kTma) {  // rows past seq_len land too; the consumers zero their V weights
-        if (lane == 0)
-          tma_chunk_boxes<kFp8>(dst, p.cache_map, (c & 1) * kChunkKeys, kv_head, e.y, uint32_t(kChunk), &full[s]);
+      if constexpr (kTma) {
+        const int vis = gr.seq_len - (e.x * kPage + (c & 1) * kChunkKeys);  // keys before seq_len (>= 1)
+        if (vis >= kChunkKeys) {
+          if (lane == 0)
+            tma_chunk_boxes<kFp8>(dst, p.cache_map, (c & 1) * kChunkKeys, kv_head, e.y, uint32_t(kChunk), &full[s]);
+        } else {
+          // A request's last chunk: its rows past seq_len (unwritten cache, NaN in the tests) land
+          // too. Their V rows (each 128 bytes of a V box, whatever the swizzle) are zeroed before
+          // the stage is marked full: a weight of 0 times NaN is not 0. Their K rows' scores are
+          // masked. Once a group at most.
+          if (lane == 0)
+            tma_chunk_boxes<kFp8>(dst, p.cache_map, (c & 1) * kChunkKeys, kv_head, e.y, uint32_t(kChunk), land);
+          kernels::mbar_wait(land, land_phase);
+          land_phase ^= 1u;
+          // The zeros come by bulk copy from a zero buffer (the rows past seq_len are contiguous in
+          // a box), through the async proxy like the boxes: no generic store to the stages, so no
+          // proxy fence, and the stage's full barrier completes when they land.
+          constexpr int kVBox0 = kFp8 ? 1 : 2, kVBoxes = kFp8 ? 1 : 2;
+          const uint32_t bytes = uint32_t(kChunkKeys - vis) * 128u;  // a V box's rows past seq_len
+          if (lane == 0) {
+            kernels::mbar_arrive_expect_tx(&full[s], kVBoxes * bytes);
+            for (int b = 0; b < kVBoxes; ++b)
+              kernels::bulk_copy_to_shared(dst + (kVBox0 + b) * kBox + vis * 128, kTtZeroRows, bytes, &full[s]);
+          }
+        }
       } else {
         const int64_t key0 = int64_t(e.x) * kPage + (c & 1) * kChunkKeys;
         const char* src =
@@ -273,6 +302,11 @@ __global__ void __launch_bounds__(kTtThreads, 1)
     if (tokens >> warp & 1) {
       const int key0 = e.x * kPage + (c & 1) * kChunkKeys;
       const uint32_t st = smem_u32(ring + s * kChunk);
+      // The query base laundered each chunk, so that ptxas forms the eight k-steps' query addresses
+      // from it here instead of holding them across the loop in registers it lacks (main's e4m3
+      // instance spilled 4 bytes, its cp.async form 36; with this 0 and 24).
+      uint32_t q_base = q_lane;
+      asm volatile("" : "+r"(q_base));
       // S^T = K Q^T: [4 key tiles][2 head tiles][4].
       float sc[4][2][4];
 #pragma unroll
@@ -283,7 +317,7 @@ __global__ void __launch_bounds__(kTtThreads, 1)
       for (int ks = 0; ks < 8; ++ks) {
         uint32_t qb[2][2];  // [head tile][k halves]
         if constexpr (kFp8) {
-          const char* qa = q_s + (q_lane ^ uint32_t(ks << 5));
+          const char* qa = q_s + (q_base ^ uint32_t(ks << 5));
           const uint2 q0 = lds64(qa), q1 = lds64(qa + 8 * 256);
           qb[0][0] = q0.x, qb[0][1] = q0.y, qb[1][0] = q1.x, qb[1][1] = q1.y;
 #pragma unroll
@@ -402,15 +436,7 @@ __global__ void __launch_bounds__(kTtThreads, 1)
             pb[1][nt][0] = kernels::movmatrix_trans(l0), pb[1][nt][1] = kernels::movmatrix_trans(l1);
           }
         }
-        // kTma: keys at or past seq_len landed with the chunk; their V^T columns (this thread's keys
-        // ks * 16 + 2 cq (+1) (+8)) are zeroed, as a weight of 0 times an unwritten (NaN) V is not 0.
-        const int vkeys = gr.seq_len - key0 - ks * 16 - 2 * cq;  // this thread's first key's room
-        const bool tail = kTma && gr.seq_len - key0 < kChunkKeys;
-        auto vmask = [&](uint32_t v, int k) {
-          return v & ((k < vkeys ? 0xffffu : 0u) | (k + 1 < vkeys ? 0xffff0000u : 0u));
-        };
         auto pv_mma = [&](int mt, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3) {
-          if (tail) a0 = vmask(a0, 0), a1 = vmask(a1, 0), a2 = vmask(a2, 8), a3 = vmask(a3, 8);
           mma_16816<kFp8>(o[mt][0], a0, a1, a2, a3, pb[0][0][0], pb[0][0][1]);
           mma_16816<kFp8>(o[mt][1], a0, a1, a2, a3, pb[0][1][0], pb[0][1][1]);
           if constexpr (!kP16) {

@@ -25,9 +25,9 @@ namespace {
 // completing on mbarriers: kTma, as the copy engine's 128-byte-swizzled boxes (keys past seq_len
 // land too: in a request's last chunk the producer waits for the boxes, then bulk-copies zeros
 // over those keys' V rows and the stage completes with them, so that no unwritten cache row
-// reaches an MMA and the consumers carry no masks); else by cp.async into key rows (16-byte piece q of key row r at
-// q ^ (r % 8); rows at or past seq_len zero-filled). Every consumer warp releases every stage, its
-// token's chunk or not.
+// reaches an MMA and the consumers carry no masks); else by cp.async into key rows (16-byte piece
+// q of key row r at q ^ (r % 8); rows at or past seq_len zero-filled). Every consumer warp
+// releases every stage, its token's chunk or not.
 constexpr int kTtWarps = 8, kTtThreads = (kTtWarps + 1) * 32;
 // A chunk's worth of zero V rows (64 x 128 bytes), the source of a request's last chunk's rows past
 // seq_len (the producer's bulk copies).
@@ -303,8 +303,9 @@ __global__ void __launch_bounds__(kTtThreads, 1)
       const int key0 = e.x * kPage + (c & 1) * kChunkKeys;
       const uint32_t st = smem_u32(ring + s * kChunk);
       // The query base laundered each chunk, so that ptxas forms the eight k-steps' query addresses
-      // from it here instead of holding them across the loop in registers it lacks (main's e4m3
-      // instance spilled 4 bytes, its cp.async form 36; with this 0 and 24).
+      // from it here instead of holding them across the loop in registers it lacks (the masked
+      // loop's e4m3 instance spilled 4 bytes, its cp.async form 36; with this 0 and 24; since the
+      // zeros come by bulk copy the e4m3 instance reloads 24 bytes a chunk again).
       uint32_t q_base = q_lane;
       asm volatile("" : "+r"(q_base));
       // S^T = K Q^T: [4 key tiles][2 head tiles][4].

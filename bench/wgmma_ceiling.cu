@@ -96,12 +96,10 @@ __global__ void __launch_bounds__(kMaxWg * 128, 1) wg_loop(int rounds, float* ou
           k::named_bar_sync(1 + wg, 128);
         }
         k::wgmma_fence();
-        // Every k-step accumulates: with the first overwriting (wgmma_k128, as the kernels' first
-        // step does), the round before's MMAs of this group were dead and ptxas dropped 7 of every
-        // 16 (session 39: the first run's rates were 16/9 too high).
-#pragma unroll
-        for (int s = 0; s < 8; ++s)
-          k::wgmma_m64k16<N, true>(acc[g], a[cur][s], k::sw128_desc(bg + (s / 4) * uint32_t(N * 128) + (s % 4) * 32));
+        // Every k-step accumulates: with the first overwriting (as the kernels' first step does),
+        // the round before's MMAs of this group were dead and ptxas dropped 7 of every 16
+        // (session 39: the first run's rates were 16/9 too high).
+        k::wgmma_k128<N, true, true>(acc[g], a[cur], bg, uint32_t(N * 128));
         k::wgmma_commit();
       }
       k::wgmma_wait<0>();  // a round's scores complete (a chunk's softmax would read them now)

@@ -190,13 +190,14 @@ __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], const uint32_t (
     M3RT_WGMMA_BODY(64, M3RT_WGMMA_REGS32, 32, 33, 34, 35, 36, 37, 38, "bf16", M3RT_WGMMA_ACC32);
 }
 
-// d = A B^T over 128 dims: 8 k-steps of wgmma m64nNk16, the first overwriting d. A: the thread's
-// fragments a[s] of dims 16 s ..; B: N rows of 128 dims in the K-major 128-byte-swizzled image at
-// shared address `b` (dims 0-63, then 64-127 `half_bytes` further).
-template <int N, bool kF16>
+// d = A B^T over 128 dims (kAccumulate: d += A B^T): 8 k-steps of wgmma m64nNk16, the first
+// overwriting d unless kAccumulate. A: the thread's fragments a[s] of dims 16 s ..; B: N rows of
+// 128 dims in the K-major 128-byte-swizzled image at shared address `b` (dims 0-63, then 64-127
+// `half_bytes` further).
+template <int N, bool kF16, bool kAccumulate = false>
 __device__ __forceinline__ void wgmma_k128(float (&d)[N / 2], const uint32_t (&a)[8][4], uint32_t b,
                                            uint32_t half_bytes) {
-  wgmma_m64k16<N, kF16, false, false>(d, a[0], sw128_desc(b));
+  wgmma_m64k16<N, kF16, false, kAccumulate>(d, a[0], sw128_desc(b));
 #pragma unroll
   for (int s = 1; s < 8; ++s) wgmma_m64k16<N, kF16>(d, a[s], sw128_desc(b + (s / 4) * half_bytes + (s % 4) * 32));
 }

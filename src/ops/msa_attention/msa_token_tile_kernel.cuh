@@ -507,8 +507,8 @@ __global__ void __launch_bounds__(kTtThreads, 1)
       }
     }
     __syncwarp();
-    const int tu = misc[16 + warp];
-    const bool each = used <= tu && (tu - used + 1) % kStages == 0;
+    const int tu = misc[16 + warp];  // this release ends use used - 1: by every lane if the tail's
+    const bool each = used <= tu && (tu - used + 1) % kStages == 0;  // stage, before the tail
     if (each || lane == 0) kernels::mbar_arrive(&empty[s], each ? 1u : 32u);
   }
   if (warp >= gr.tokens) return;

@@ -334,9 +334,9 @@ __global__ void __launch_bounds__(kTtThreads, 1)
       const int key0 = e.x * kPage + (c & 1) * kChunkKeys;
       const uint32_t st = smem_u32(ring + s * kChunk);
       // The query base laundered each chunk, so that ptxas forms the eight k-steps' query addresses
-      // from it here instead of holding them across the loop in registers it lacks (the masked
-      // loop's e4m3 instance spilled 4 bytes, its cp.async form 36; with this 0 and 24; since the
-      // zeros come by bulk copy the e4m3 instance reloads 24 bytes a chunk again).
+      // from it here instead of holding them across the loop in registers it lacks (session 35: the
+      // masked loop's e4m3 instance spilled 4 bytes, its cp.async form 36; with this 0 and 24).
+      // The spill has moved with every change since (README: none in the e4m3 instance now).
       uint32_t q_base = q_lane;
       asm volatile("" : "+r"(q_base));
       // S^T = K Q^T: [4 key tiles][2 head tiles][4].

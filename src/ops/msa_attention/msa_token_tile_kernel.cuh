@@ -29,7 +29,13 @@ namespace {
 // q of key row r at q ^ (r % 8); rows at or past seq_len zero-filled). Every consumer warp
 // releases every stage, its token's chunk or not (an empty mbarrier of 8 x 32 arrivals: lane 0
 // arrives for its warp, or every lane for itself before a zero copy; see the loop's end).
-constexpr int kTtWarps = 8, kTtThreads = (kTtWarps + 1) * 32;
+// Three warpgroups: two of consumers (a token a warp) and the producer's, whose warp kTtWarps
+// streams and whose other three leave; past the prologue the producer's gives up registers
+// (setmaxnreg, as msa_sparse_kernel's warp-specialized form) and the consumers' take them: 224
+// a thread instead of the 168 that nine warps (three to a scheduler) allow (ptxas uses ~183; the
+// cp.async producer spilled at 40).
+constexpr int kTtWarps = 8, kTtThreads = (kTtWarps + 4) * 32;
+constexpr int kTtProducerRegs = 56, kTtConsumerRegs = 224;  // 128 x 56 + 256 x 224 <= 65536
 // A chunk's worth of zero V rows (64 x 128 bytes), the source of a request's last chunk's rows past
 // seq_len (the producer's bulk copies).
 __device__ const uint4 kTtZeroRows[kChunkKeys * 8] = {};
@@ -86,7 +92,7 @@ __global__ void __launch_bounds__(kTtThreads, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kStages;
   uint64_t* land = empty + kStages;  // kTma: a request's last chunk lands here first (the producer's)
-  int* misc = reinterpret_cast<int*>(smem + 256);  // [0, 9): warp counts, [15]: union size, [16, 24): tail uses
+  int* misc = reinterpret_cast<int*>(smem + 256);  // [0, 12): warp counts, [15]: union size, [16, 24): tail uses
   int4* tok_range = reinterpret_cast<int4*>(smem + 512);  // per token {lo, hi, nbv, -}
   int4* uniq = reinterpret_cast<int4*>(smem + L.uniq_off);
   char* q_s = smem + L.q_off;
@@ -194,7 +200,9 @@ __global__ void __launch_bounds__(kTtThreads, 1)
     __syncthreads();
   }
 
-  if (warp == kTtWarps) {  // the producer: piece lane % kPieces of rows lane / kPieces + 32 / kPieces * i
+  if (warp >= kTtWarps) {  // the producer: piece lane % kPieces of rows lane / kPieces + 32 / kPieces * i
+    kernels::setmaxnreg_dec<kTtProducerRegs>();
+    if (warp > kTtWarps) return;
     constexpr int kRowsALane = kChunkKeys * kPieces / 32;
     const int pc = lane % kPieces, r0 = lane / kPieces;
     uint32_t land_phase = 0;
@@ -245,6 +253,7 @@ __global__ void __launch_bounds__(kTtThreads, 1)
     if constexpr (!kTma) cp_async_wait<0>();
     return;
   }
+  kernels::setmaxnreg_inc<kTtConsumerRegs>();
 
   // Consumer warp: token tok0 + warp. O^T fragments [dim tile 8][head tile 2][4] (P's value and
   // residue MMAs accumulate into the same fragments); running max (log2 units) and partial sums of

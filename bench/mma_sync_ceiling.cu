@@ -69,14 +69,22 @@ int main() {
   std::printf("%-6s %10s %10s %12s %12s %12s\n", "warps", "f16", "bf16", "f16+cvt 4:3", "f16 pairs",
               "f16 pairs+cvt");
   const int iters = 20000;
+  // The five columns' instances, listed once: their register counts and their timings.
+  struct Variant {
+    const void* kernel;
+    double (*time)(int, int, int);
+  };
+  const Variant variants[] = {{(const void*)mma_loop<true, false, false>, run<true, false, false>},
+                              {(const void*)mma_loop<false, false, false>, run<false, false, false>},
+                              {(const void*)mma_loop<true, true, false>, run<true, true, false>},
+                              {(const void*)mma_loop<true, false, true>, run<true, false, true>},
+                              {(const void*)mma_loop<true, true, true>, run<true, true, true>}};
   // A warp count whose registers exceed the SM's file cannot launch (session 39: 24 warps did not):
   // the row stops there.
   int regs = 0;
-  for (const void* f : {(const void*)mma_loop<true, false, false>, (const void*)mma_loop<false, false, false>,
-                        (const void*)mma_loop<true, true, false>, (const void*)mma_loop<true, false, true>,
-                        (const void*)mma_loop<true, true, true>}) {
+  for (const Variant& v : variants) {
     cudaFuncAttributes attr;
-    CK(cudaFuncGetAttributes(&attr, f));
+    CK(cudaFuncGetAttributes(&attr, v.kernel));
     regs = attr.numRegs > regs ? attr.numRegs : regs;
   }
   for (int w : {4, 8, 9, 12, 16, 24, 32}) {
@@ -84,9 +92,10 @@ int main() {
       std::printf("%-6d (%d registers a thread: more than the SM holds at this many warps)\n", w, regs);
       break;
     }
-    std::printf("%-6d %10.0f %10.0f %12.0f %12.0f %12.0f\n", w, run<true, false, false>(w, sms, iters),
-                run<false, false, false>(w, sms, iters), run<true, true, false>(w, sms, iters),
-                run<true, false, true>(w, sms, iters), run<true, true, true>(w, sms, iters));
+    std::printf("%-6d", w);
+    const int widths[] = {10, 10, 12, 12, 12};
+    for (int i = 0; i < 5; ++i) std::printf(" %*.0f", widths[i], variants[i].time(w, sms, iters));
+    std::printf("\n");
   }
   return 0;
 }

@@ -66,19 +66,23 @@ int main() {
   std::printf("%s, %d SMs; TFLOP/s of m16n8k16 MMA work, one CTA an SM (before sm_89 the conversion is\n"
               "the library's software fallback)\n",
               prop.name, sms);
-  std::printf("%-6s %10s %10s %12s %12s %12s\n", "warps", "f16", "bf16", "f16+cvt 4:3", "f16 pairs",
-              "f16 pairs+cvt");
   const int iters = 20000;
-  // The five columns' instances, listed once: their register counts and their timings.
+  // The five columns, listed once: heading and width, instance (its register count), timing.
   struct Variant {
+    const char* name;
+    int width;
     const void* kernel;
     double (*time)(int, int, int);
   };
-  const Variant variants[] = {{(const void*)mma_loop<true, false, false>, run<true, false, false>},
-                              {(const void*)mma_loop<false, false, false>, run<false, false, false>},
-                              {(const void*)mma_loop<true, true, false>, run<true, true, false>},
-                              {(const void*)mma_loop<true, false, true>, run<true, false, true>},
-                              {(const void*)mma_loop<true, true, true>, run<true, true, true>}};
+  const Variant variants[] = {
+      {"f16", 10, (const void*)mma_loop<true, false, false>, run<true, false, false>},
+      {"bf16", 10, (const void*)mma_loop<false, false, false>, run<false, false, false>},
+      {"f16+cvt 4:3", 12, (const void*)mma_loop<true, true, false>, run<true, true, false>},
+      {"f16 pairs", 12, (const void*)mma_loop<true, false, true>, run<true, false, true>},
+      {"f16 pairs+cvt", 12, (const void*)mma_loop<true, true, true>, run<true, true, true>}};
+  std::printf("%-6s", "warps");
+  for (const Variant& v : variants) std::printf(" %*s", v.width, v.name);
+  std::printf("\n");
   // A warp count whose registers exceed the SM's file cannot launch (session 39: 24 warps did not):
   // the row stops there.
   int regs = 0;
@@ -93,8 +97,7 @@ int main() {
       break;
     }
     std::printf("%-6d", w);
-    const int widths[] = {10, 10, 12, 12, 12};
-    for (int i = 0; i < 5; ++i) std::printf(" %*.0f", widths[i], variants[i].time(w, sms, iters));
+    for (const Variant& v : variants) std::printf(" %*.0f", v.width, v.time(w, sms, iters));
     std::printf("\n");
   }
   return 0;

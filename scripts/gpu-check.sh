@@ -69,6 +69,10 @@ step check-mma-sync check.log env M3RT_MSA_WGMMA=0 "$BUILD_DIR/m3rt" check --dev
 step check-wg-cp check.log env M3RT_MSA_WG_TMA=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa
 # Unsplit e4m3 groups with the row warps converting (the producer warpgroup is the default).
 step check-no-producer check.log env M3RT_MSA_WS=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa
+# Group 16 on the wgmma tiles instead of the per-token tile (prefill and verify, both page types),
+# and the per-token tile on every unsplit decode from dql 2.
+step check-no-token-tile check.log env M3RT_MSA_TOKEN_TILE=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa
+step check-token-tile-decode check.log env M3RT_MSA_TOKEN_TILE=2 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode
 # dql 1 on the general kernel (msa_decode1_kernel replaced it there), and the split decode's
 # global-memory merge instead of the cluster one.
 step check-msa-general check.log env M3RT_MSA_DECODE1=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode

@@ -324,8 +324,9 @@ void check_msa_prefill(CheckContext& c) {
   check_msa_variant(c, {true, 16, 2, 16, 0, {900}, {77}});
   // Group 8 with 16-token GPU row groups (128 rows: the wgmma loop on Hopper), one group partial.
   check_msa_variant(c, {false, 16, 2, 16, 0, {1500, 77}, {300, 77}});
-  // M3's group 16 with a bf16 cache (the per-token tile under M3RT_MSA_TOKEN_TILE=1): non-causal,
-  // a window, a partial last row group, a request shorter than a page.
+  // M3's group 16 with a bf16 cache (the per-token tile; the 64-row wgmma tile under
+  // M3RT_MSA_TOKEN_TILE=0): non-causal, a window, a partial last row group, a request shorter than
+  // a page.
   check_msa_variant(c, {false, 64, 4, 16, 0, {1400, 90}, {45, 90}, {.causal = false, .window_left = 700}});
   // e4m3 at group 16 (the per-token tile's f16 path), causal; topk 64 over every block of the first
   // request (a union of up to 8 x 64 entries).

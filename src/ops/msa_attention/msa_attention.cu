@@ -473,21 +473,22 @@ bool msa_decode1_read_floor_launch(const MsaParams& p, unsigned* sink, CUstream_
   return true;
 }
 
-// The per-token tile (msa_token_tile_kernel) serves e4m3 prefill and unsplit e4m3 decode with
-// dql >= 8 (verify) at 16 query heads a KV head on the Hopper paths, where its shared memory fits
-// the opt-in limit and the request's block bitmap the stage area. H200, M3 shapes, against the
-// 64-row (verify: 128-row) wgmma tile in the same call: e4m3 prefill 8K 1.19x, 32K 1.58x, 32K
-// shared8 1.08x, verify B32 1.02x (session 35; with the ordered union, session 37: 8K 1.22x, verify
-// 1.05x, and 32K 1.13x over session 35's tile); bf16 prefill 8K 0.98x, 32K 1.05x, 32K shared8
-// 0.90x, verify 0.88x (session 35, before the ordered union), so bf16 pages keep the wgmma tiles.
-// M3RT_MSA_TOKEN_TILE=0: never; =1: bf16 pages too; =2: also unsplit decode from dql 2
-// (benchmarks, tests). Returns the tile's dynamic shared memory, 0 where it does not run.
+// The per-token tile (msa_token_tile_kernel) serves prefill and unsplit decode with dql >= 8
+// (verify), bf16 and e4m3 pages, at 16 query heads a KV head on the Hopper paths, where its shared
+// memory fits the opt-in limit and the request's block bitmap the stage area. M3 shapes, against
+// the 64-row (verify: 128-row) wgmma tile in the same call: e4m3 prefill 8K 1.19x, 32K 1.58x, 32K
+// shared8 1.08x, verify B32 1.02x (H200, session 35; the ordered union since: 8K 1.22x, verify
+// 1.05x); bf16 pages, once 0.98x / 1.05x / 0.90x / 0.88x (H200, session 35, so they kept the wgmma
+// tiles until session 42), since the three warpgroups (session 41) prefill 8K 1.20x, 32K 1.42x,
+// shared2 1.14x / 1.28x, shared8 1.04x / 1.07x, verify B32 1.04x (p16 1.00x) (H100, session 42).
+// M3RT_MSA_TOKEN_TILE=0: never (the wgmma tiles; benchmarks, checks); =2: also unsplit decode
+// from dql 2 (benchmarks, tests). Returns the tile's dynamic shared memory, 0 where it does not run.
 int token_tile_smem(const MsaParams& p) {
   if (p.num_heads != 16 * p.num_kv_heads || p.num_splits > 1 || p.mixed_whole > 0 ||
       msa_group_tokens(16, 0) != kTtWarps || !kernels::hopper_paths_run())
     return 0;
   const int mode = env_int("M3RT_MSA_TOKEN_TILE", -1);
-  if (mode == 0 || (mode < 0 && !p.fp8) || (!p.cu_seqlens_q && p.decode_query_len < (mode >= 2 ? 2 : 8)))
+  if (mode == 0 || (!p.cu_seqlens_q && p.decode_query_len < (mode >= 2 ? 2 : 8)))
     return 0;
   const int smem = tt_layout(p.fp8, p.topk_k, p.max_blocks).total;
   return smem <= detail::device_limits().smem_optin && tt_bitmap_fits(p.fp8, p.topk_k, p.max_blocks) ? smem : 0;

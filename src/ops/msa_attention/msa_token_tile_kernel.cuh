@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(kTtThreads, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kStages;
   uint64_t* land = empty + kStages;  // kTma: a request's last chunk lands here first (the producer's)
-  int* misc = reinterpret_cast<int*>(smem + 256);  // [0, 12): warp counts, [15]: union size, [16, 24): tail uses
+  int* misc = reinterpret_cast<int*>(smem + 256);  // [0, 12): warp counts, [15]: union size
   int4* tok_range = reinterpret_cast<int4*>(smem + 512);  // per token {lo, hi, nbv, -}
   int4* uniq = reinterpret_cast<int4*>(smem + L.uniq_off);
   char* q_s = smem + L.q_off;
@@ -327,17 +327,18 @@ __global__ void __launch_bounds__(kTtThreads, 1)
       break;
     }
   }
-  // Kept in shared memory (the warp's slot), read at each release: in a register across the loop
-  // it cost the e4m3 instance ~30 moves a chunk.
-  if (lane == 0) misc[16 + warp] = tail_use;
-  __syncwarp();
+  // A release of use r by every lane is one of the tail's stage before the tail: r < tail_use and
+  // r % kStages == tail_use % kStages (tail_stage; -1 when there is no such use).
+  const int tail_stage = tail_use >= 0 ? tail_use % kStages : -1;
 
+  // The stage and its phase advance with each nonempty chunk (no division by kStages a use).
+  int s = 0;
+  uint32_t phase = 0;
   for (int c = 0, used = 0; c < 2 * U; ++c) {
     const int4 e = order[c >> 1];
     const uint32_t tokens = uint32_t(c & 1 ? e.w : e.z);
     if (tokens == 0) continue;
-    const int s = used % kStages;
-    kernels::mbar_wait(&full[s], uint32_t(used / kStages) & 1u);
+    kernels::mbar_wait(&full[s], phase);
     ++used;
     if (tokens >> warp & 1) {
       const int key0 = e.x * kPage + (c & 1) * kChunkKeys;
@@ -516,9 +517,9 @@ __global__ void __launch_bounds__(kTtThreads, 1)
       }
     }
     __syncwarp();
-    const int tu = misc[16 + warp];  // this release ends use used - 1: by every lane if the tail's
-    const bool each = used <= tu && (tu - used + 1) % kStages == 0;  // stage, before the tail
+    const bool each = used <= tail_use && s == tail_stage;  // this release ends use used - 1
     if (each || lane == 0) kernels::mbar_arrive(&empty[s], each ? 1u : 32u);
+    if (++s == kStages) s = 0, phase ^= 1u;
   }
   if (warp >= gr.tokens) return;
   // Output: l over the warp's lanes of a head; O = (O^T)^T / l; a row without keys writes 0 (LSE

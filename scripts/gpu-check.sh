@@ -90,6 +90,8 @@ step check-d1-two-groups-split check.log env M3RT_MSA_D1_GROUPS=2 M3RT_MSA_SPLIT
 # dql 1 with the split grid where the plan would take the mixed one.
 step check-msa-split-grid check.log env M3RT_MSA_MIXED=0 "$BUILD_DIR/m3rt" check --device cuda --filter msa_decode
 step check-sync check.log env M3RT_SYNC_CHECK=1 "$BUILD_DIR/m3rt" check --device cuda
+# Fixed MSA calls hashed through the public API (the lines to diff against another build's).
+step msa-hash check.log "$BUILD_DIR/m3rt_msa_hash"
 # A build without sm_90a code (sm_80 SASS + compute_80 PTX) must take the portable paths on Hopper.
 check_sm80() {  # built here unless SKIP_BUILD; the CLI with its own libm3rt
   local d=$BUILD_DIR-sm80

@@ -14,7 +14,7 @@ m3rt_build_sm80 "$B-sm80"
 rm -rf "$DEST" "$DEST-sm80"
 mkdir -p "$DEST/tests" "$DEST-sm80"
 cp -P "$B"/libm3rt.so* "$B/m3rt" "$B/m3rt_access_ceiling" "$B/m3rt_fp8_wgmma_precision" "$B/m3rt_prefill_stream_probe" \
-  "$B/m3rt_mma_sync_ceiling" "$B/m3rt_wgmma_ceiling" "$DEST/"
+  "$B/m3rt_mma_sync_ceiling" "$B/m3rt_wgmma_ceiling" "$B/m3rt_msa_hash" "$DEST/"
 for t in "$B"/tests/test_*; do
   if [ -f "$t" ] && [ -x "$t" ]; then cp "$t" "$DEST/tests/"; fi
 done

@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <exception>
 #include <vector>
 
@@ -29,12 +28,6 @@ struct Rng {  // xorshift64
   }
   float uniform() { return float(next() & 0xffffff) / float(1 << 24) * 2.f - 1.f; }  // [-1, 1)
 };
-
-uint16_t bf16_bits(float x) {  // round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 uint64_t fnv1a(const void* p, size_t n) {
   uint64_t h = 1469598103934665603ull;
@@ -59,15 +52,11 @@ void run_case(const Case& c, Rng& rng) {
   }
   const int64_t blocks = int64_t(c.requests) * max_blocks + 3;
   Tensor q = Tensor::empty({tokens, kHq, kDim}, DType::kBFloat16);
-  for (int64_t i = 0; i < q.numel(); ++i) q.ptr<uint16_t>()[i] = bf16_bits(rng.uniform());
+  for (int64_t i = 0; i < q.numel(); ++i) q.ptr<uint16_t>()[i] = m3rt::float_to_bf16(rng.uniform());
   Tensor cache = Tensor::empty({blocks, kHkv, 128, 256}, c.fp8 ? DType::kUInt8 : DType::kBFloat16);
   for (int64_t i = 0; i < cache.numel(); ++i) {
-    if (c.fp8) {
-      const uint8_t v = uint8_t(rng.next()) & 0xbf;  // |x| < 2^8, no NaN code
-      cache.ptr<uint8_t>()[i] = v;
-    } else {
-      cache.ptr<uint16_t>()[i] = bf16_bits(rng.uniform());
-    }
+    if (c.fp8) cache.ptr<uint8_t>()[i] = uint8_t(rng.next()) & 0xbf;  // |x| < 2^8, no NaN code
+    else cache.ptr<uint16_t>()[i] = m3rt::float_to_bf16(rng.uniform());
   }
   Tensor table = Tensor::empty({c.requests, max_blocks}, DType::kInt32);
   for (int b = 0; b < c.requests; ++b)

@@ -17,35 +17,36 @@ SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 
 t0=$SECONDS
 log() { echo "$* t=$((SECONDS - t0))" | tee -a "$OUT/summary.txt"; }
 with() { local d=$1; shift; LD_LIBRARY_PATH="$(cd "$d" && pwd)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$@"; }
-name() { basename "$1"; }
 log "$(nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader 2>&1 | head -1)"
-first=$1
+first=$(basename "$1")
 for lib in "$@"; do
-  n=$(name "$lib")
+  n=$(basename "$lib")
   with "$lib" "$bin/m3rt_msa_hash" >"$OUT/hash-$n.txt" 2>&1
   rc=$?
   if [ $rc -ne 0 ]; then same="FAILED: $(tail -1 "$OUT/hash-$n.txt")"
-  elif cmp -s "$OUT/hash-$(name "$first").txt" "$OUT/hash-$n.txt"; then same="same bits as $(name "$first")"
-  else same="DIFFERENT bits from $(name "$first")"; fi
+  elif cmp -s "$OUT/hash-$first.txt" "$OUT/hash-$n.txt"; then same="same bits as $first"
+  else same="DIFFERENT bits from $first"; fi
   log "hash $n rc=$rc $same"
 done
 for rep in $(seq "${REPS:-2}"); do
   for ctx in ${PREFILL:-32 8}; do
     for lib in "$@"; do
-      n=$(name "$lib") f="$OUT/prefill-$ctx-$rep-$(name "$lib").txt"
+      n=$(basename "$lib")
+      f="$OUT/prefill-$ctx-$rep-$n.txt"
       M3RT_BENCH_MSA_PREFILL_ONLY=$ctx:0 with "$lib" "$bin/m3rt" bench --filter msa_attention >"$f" 2>&1
       log "$rep $n ${ctx}K $(grep -E '^msa_attention +prefill' "$f" | awk '{printf "%s %s %s us (%s TF) | ", $3, $4, $5, $11}')"
     done
   done
   for lib in "$@"; do
-    n=$(name "$lib") f="$OUT/quick-$rep-$(name "$lib").txt"
+    n=$(basename "$lib")
+    f="$OUT/quick-$rep-$n.txt"
     with "$lib" "$bin/m3rt" bench --quick --filter msa_attention --json "$OUT/quick-$rep-$n.json" >"$f" 2>&1
     log "$rep $n quick $(grep -E '^msa_attention +verify' "$f" | awk '$7 == "p16" {printf "%s p16 %s us %s | ", $4, $8, $11; next} {printf "%s %s us %s | ", $4, $7, $10}')"
   done
 done
 if [ -n "${GATE:-}" ]; then
   for lib in "${@:2}"; do
-    n=$(name "$lib")
+    n=$(basename "$lib")
     with "$lib" "$bin/m3rt" check --device cuda --filter msa >"$OUT/check-$n.txt" 2>&1
     log "check $n rc=$? $(grep -E 'passed' "$OUT/check-$n.txt" | tail -1)"
     if [ -n "$SAN" ]; then

@@ -33,7 +33,7 @@ namespace {
 // streams and whose other three leave; past the prologue the producer's gives up registers
 // (setmaxnreg, as msa_sparse_kernel's warp-specialized form) and the consumers' take them: 224
 // a thread instead of the 168 that nine warps (three to a scheduler) allow (the e4m3 instance's
-// highest register is R185; the cp.async producer spilled at 40).
+// highest register is R184; the cp.async producer spilled at 40).
 constexpr int kTtWarps = 8, kTtThreads = (kTtWarps + 4) * 32;
 constexpr int kTtProducerRegs = 56, kTtConsumerRegs = 224;  // 128 x 56 + 256 x 224 <= 65536
 // A chunk's worth of zero V rows (64 x 128 bytes), the source of a request's last chunk's rows past

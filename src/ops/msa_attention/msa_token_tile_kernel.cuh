@@ -424,22 +424,29 @@ __global__ void __launch_bounds__(kTtThreads, 1)
       // start, -FLT_MAX (alpha = 0). A chunk whose every visible score is -inf (infinite inputs,
       // an overflowing dot) leaves it there, and its weights come out exp2(-inf + FLT_MAX) = 0 (a
       // start of -inf would give NaN: advance_max's m_sub in the general kernel).
-      float alpha[2][2];
-      bool moved = false;
+      // A column moves iff some lane's part of it does (x -> x * scale is monotone for the scale
+      // > 0), so the common chunk, where none moves, needs one vote and no column reduction; a
+      // chunk where one does takes the reduction, the new maxima and the rescale as before (the same
+      // bits either way: alpha would be 1 in every column that does not move).
+      bool over = false;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int c2 = 0; c2 < 2; ++c2) {
-          const float v =
-              kernels::reduce_accumulator_column(mx[nt][c2], [](float x, float y) { return fmaxf(x, y); }) *
-              col_scale[nt][c2];
-          const bool move = v > m[nt][c2] + kLazyMax;
-          alpha[nt][c2] = move ? exp2_ftz(m[nt][c2] - v) : 1.f;
-          m[nt][c2] = move ? v : m[nt][c2];
-          l[nt][c2] *= alpha[nt][c2];
-          moved |= move;
-        }
-      if (__any_sync(kFull, moved)) {
+        for (int c2 = 0; c2 < 2; ++c2) over |= mx[nt][c2] * col_scale[nt][c2] > m[nt][c2] + kLazyMax;
+      if (__any_sync(kFull, over)) {
+        float alpha[2][2];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int c2 = 0; c2 < 2; ++c2) {
+            const float v =
+                kernels::reduce_accumulator_column(mx[nt][c2], [](float x, float y) { return fmaxf(x, y); }) *
+                col_scale[nt][c2];
+            const bool move = v > m[nt][c2] + kLazyMax;
+            alpha[nt][c2] = move ? exp2_ftz(m[nt][c2] - v) : 1.f;
+            m[nt][c2] = move ? v : m[nt][c2];
+            l[nt][c2] *= alpha[nt][c2];
+          }
 #pragma unroll
         for (int i = 0; i < 8; ++i)
 #pragma unroll

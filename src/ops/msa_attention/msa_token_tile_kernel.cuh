@@ -424,6 +424,36 @@ __global__ void __launch_bounds__(kTtThreads, 1)
       // start, -FLT_MAX (alpha = 0). A chunk whose every visible score is -inf (infinite inputs,
       // an overflowing dot) leaves it there, and its weights come out exp2(-inf + FLT_MAX) = 0 (a
       // start of -inf would give NaN: advance_max's m_sub in the general kernel).
+      // A 16-key step's weights (this lane's 8, with the running max as it stands) and P^T's B
+      // fragments: the S^T accumulator block (keys g (+ 8), heads 2 cq + e) transposed by movmatrix
+      // gives keys 2 cq + e, head g: the B layout. Step 0's are made before the vote below, off
+      // the chain that leads to the first P V MMA (a chunk that moves the max makes them again).
+      auto weights = [&](int ks, float (&pv)[2][4], uint32_t (&pb)[2][2][2]) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) pv[nt][r] = exp2_ftz(fmaf(sc[ks][nt][r], col_scale[nt][r & 1], -m[nt][r & 1]));
+          if constexpr (kP16) {
+            uint32_t h0, h1;
+            if constexpr (kFp8) {
+              const __half2 v0 = __floats2half2_rn(pv[nt][0], pv[nt][1]), v1 = __floats2half2_rn(pv[nt][2], pv[nt][3]);
+              h0 = *reinterpret_cast<const uint32_t*>(&v0), h1 = *reinterpret_cast<const uint32_t*>(&v1);
+            } else {
+              h0 = kernels::bf16x2_bits(pv[nt][0], pv[nt][1]), h1 = kernels::bf16x2_bits(pv[nt][2], pv[nt][3]);
+            }
+            pb[0][nt][0] = kernels::movmatrix_trans(h0), pb[0][nt][1] = kernels::movmatrix_trans(h1);
+          } else {
+            uint32_t h0, l0, h1, l1;
+            split2<kFp8>(pv[nt][0], pv[nt][1], h0, l0);
+            split2<kFp8>(pv[nt][2], pv[nt][3], h1, l1);
+            pb[0][nt][0] = kernels::movmatrix_trans(h0), pb[0][nt][1] = kernels::movmatrix_trans(h1);
+            pb[1][nt][0] = kernels::movmatrix_trans(l0), pb[1][nt][1] = kernels::movmatrix_trans(l1);
+          }
+        }
+      };
+      float pv0[2][4];
+      uint32_t pb0[2][2][2];
+      weights(0, pv0, pb0);
       // A column moves iff some lane's part of it does (x -> x * scale is monotone for the scale
       // > 0), so the common chunk, where none moves, needs one vote and no column reduction; a
       // chunk where one does takes the reduction, the new maxima and the rescale as before (the same
@@ -454,37 +484,26 @@ __global__ void __launch_bounds__(kTtThreads, 1)
             o[i][j][0] *= alpha[j][0], o[i][j][1] *= alpha[j][1];
             o[i][j][2] *= alpha[j][0], o[i][j][3] *= alpha[j][1];
           }
+        weights(0, pv0, pb0);
       }
-      // O^T += V^T P^T, 16 keys a step. P^T's B fragments: the S^T accumulator block (keys g (+ 8),
-      // heads 2 cq + e) transposed by movmatrix gives keys 2 cq + e, head g: the B layout.
+      // O^T += V^T P^T, 16 keys a step.
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
+        float pv[2][4];
         uint32_t pb[2][2][2];  // [value, residue][head tile][keys +0-7, +8-15]
+        if (ks == 0) {
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          float pv[4];
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            pv[r] = exp2_ftz(fmaf(sc[ks][nt][r], col_scale[nt][r & 1], -m[nt][r & 1]));
-            l[nt][r & 1] += pv[r];
+          for (int i = 0; i < 8; ++i) {
+            pv[i / 4][i % 4] = pv0[i / 4][i % 4];
+            pb[i / 4][i / 2 % 2][i % 2] = pb0[i / 4][i / 2 % 2][i % 2];
           }
-          if constexpr (kP16) {
-            uint32_t h0, h1;
-            if constexpr (kFp8) {
-              const __half2 v0 = __floats2half2_rn(pv[0], pv[1]), v1 = __floats2half2_rn(pv[2], pv[3]);
-              h0 = *reinterpret_cast<const uint32_t*>(&v0), h1 = *reinterpret_cast<const uint32_t*>(&v1);
-            } else {
-              h0 = kernels::bf16x2_bits(pv[0], pv[1]), h1 = kernels::bf16x2_bits(pv[2], pv[3]);
-            }
-            pb[0][nt][0] = kernels::movmatrix_trans(h0), pb[0][nt][1] = kernels::movmatrix_trans(h1);
-          } else {
-            uint32_t h0, l0, h1, l1;
-            split2<kFp8>(pv[0], pv[1], h0, l0);
-            split2<kFp8>(pv[2], pv[3], h1, l1);
-            pb[0][nt][0] = kernels::movmatrix_trans(h0), pb[0][nt][1] = kernels::movmatrix_trans(h1);
-            pb[1][nt][0] = kernels::movmatrix_trans(l0), pb[1][nt][1] = kernels::movmatrix_trans(l1);
-          }
+        } else {
+          weights(ks, pv, pb);
         }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) l[nt][r & 1] += pv[nt][r];
         auto pv_mma = [&](int mt, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3) {
           mma_16816<kFp8>(o[mt][0], a0, a1, a2, a3, pb[0][0][0], pb[0][0][1]);
           mma_16816<kFp8>(o[mt][1], a0, a1, a2, a3, pb[0][1][0], pb[0][1][1]);

@@ -4,8 +4,9 @@
 # libm3rt.so.0; BIN a build directory (or a copy) with m3rt and m3rt_msa_hash. For each library:
 # m3rt_msa_hash (lines compared with the first library's), then, REPS times in turn, the MSA prefill
 # rows of each context in PREFILL (M3RT_BENCH_MSA_PREFILL_ONLY, independent lists) and the quick
-# bench's verify rows; GATE=1 adds, for every library but the first, `m3rt check --filter msa` and
-# racecheck on the prefill checks. Logs under $OUT (default /tmp/m3rt-ab), one summary line a run.
+# bench's verify rows; GATE=1 adds, for every library but the first, the gate a token-tile change
+# took in session 43: `m3rt check --filter msa`, the tile forced onto decode (M3RT_MSA_TOKEN_TILE=2),
+# its cp.async form (M3RT_MSA_TT_TMA=0), and memcheck, racecheck and synccheck on the prefill checks. Logs under $OUT (default /tmp/m3rt-ab), one summary line a run.
 #   scripts/ab-libs.sh BIN LIB...      e.g. scripts/ab-libs.sh build-h .dev/libs/R .dev/libs/X
 # Environment: REPS (default 2), PREFILL (default "32 8", contexts in K tokens), GATE.
 set -uo pipefail
@@ -47,12 +48,18 @@ done
 if [ -n "${GATE:-}" ]; then
   for lib in "${@:2}"; do
     n=$(basename "$lib")
-    with "$lib" "$bin/m3rt" check --device cuda --filter msa >"$OUT/check-$n.txt" 2>&1
-    log "check $n rc=$? $(grep -E 'passed' "$OUT/check-$n.txt" | tail -1)"
+    for v in "msa" "msa_decode M3RT_MSA_TOKEN_TILE=2" "msa_prefill M3RT_MSA_TT_TMA=0"; do
+      read -r filt setting <<<"$v"
+      f="$OUT/check-$n-$filt${setting:+-${setting%%=*}}.txt"
+      with "$lib" env $setting "$bin/m3rt" check --device cuda --filter "$filt" >"$f" 2>&1
+      log "check $n --filter $filt $setting rc=$? $(grep -E 'passed' "$f" | tail -1)"
+    done
     if [ -n "$SAN" ]; then
-      with "$lib" "$SAN" --tool racecheck --error-exitcode 9 "$bin/m3rt" check --device cuda --filter msa_prefill \
-        >"$OUT/racecheck-$n.txt" 2>&1
-      log "racecheck $n rc=$? $(grep -E 'RACECHECK SUMMARY' "$OUT/racecheck-$n.txt")"
+      for tool in memcheck racecheck synccheck; do
+        with "$lib" "$SAN" --tool $tool --error-exitcode 9 "$bin/m3rt" check --device cuda --filter msa_prefill \
+          >"$OUT/$tool-$n.txt" 2>&1
+        log "$tool $n rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool-$n.txt")"
+      done
     fi
   done
 fi

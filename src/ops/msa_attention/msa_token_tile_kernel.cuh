@@ -33,7 +33,7 @@ namespace {
 // streams and whose other three leave; past the prologue the producer's gives up registers
 // (setmaxnreg, as msa_sparse_kernel's warp-specialized form) and the consumers' take them: 224
 // a thread instead of the 168 that nine warps (three to a scheduler) allow (the e4m3 instance's
-// highest register is R184; the cp.async producer spilled at 40).
+// highest register is R187, bf16's R202; the cp.async producer spilled at 40).
 constexpr int kTtWarps = 8, kTtThreads = (kTtWarps + 4) * 32;
 constexpr int kTtProducerRegs = 56, kTtConsumerRegs = 224;  // 128 x 56 + 256 x 224 <= 65536
 // A chunk's worth of zero V rows (64 x 128 bytes), the source of a request's last chunk's rows past
@@ -418,12 +418,6 @@ __global__ void __launch_bounds__(kTtThreads, 1)
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
           for (int r = 0; r < 4; ++r) mx[nt][r & 1] = fmaxf(mx[nt][r & 1], sc[mt][nt][r]);
-      // The running max moves only when the chunk passes it by more than kLazyMax (advance_max's
-      // rule: weights stay <= 2^kLazyMax and O is rarely rescaled). The chunk has a key the token
-      // sees (the union's masks), so a head's first chunk with a finite score moves it off its
-      // start, -FLT_MAX (alpha = 0). A chunk whose every visible score is -inf (infinite inputs,
-      // an overflowing dot) leaves it there, and its weights come out exp2(-inf + FLT_MAX) = 0 (a
-      // start of -inf would give NaN: advance_max's m_sub in the general kernel).
       // A 16-key step's weights (this lane's 8, with the running max as it stands) and P^T's B
       // fragments: the S^T accumulator block (keys g (+ 8), heads 2 cq + e) transposed by movmatrix
       // gives keys 2 cq + e, head g: the B layout. Step 0's are made before the vote below, off
@@ -454,6 +448,12 @@ __global__ void __launch_bounds__(kTtThreads, 1)
       float pv0[2][4];
       uint32_t pb0[2][2][2];
       weights(0, pv0, pb0);
+      // The running max moves only when the chunk passes it by more than kLazyMax (advance_max's
+      // rule: weights stay <= 2^kLazyMax and O is rarely rescaled). The chunk has a key the token
+      // sees (the union's masks), so a head's first chunk with a finite score moves it off its
+      // start, -FLT_MAX (alpha = 0). A chunk whose every visible score is -inf (infinite inputs,
+      // an overflowing dot) leaves it there, and its weights come out exp2(-inf + FLT_MAX) = 0 (a
+      // start of -inf would give NaN: advance_max's m_sub in the general kernel).
       // A column moves iff some lane's part of it does (x -> x * scale is monotone for the scale
       // > 0), so the common chunk, where none moves, needs one vote and no column reduction; a
       // chunk where one does takes the reduction, the new maxima and the rescale as before (the same

@@ -140,6 +140,23 @@ std::vector<Batch> make_sets(std::mt19937_64& rng, bool fp8, int B, int ctx, int
 
 using detail::ScopedEnv;  // the plan's tuning knobs (M3RT_MSA_*) for a scope
 
+// Environment variable `name` as a comma-separated list of integers in [lo, hi] (`what` names them
+// in the error); empty when unset or empty.
+std::vector<int> env_int_list(const char* name, long lo, long hi, const char* what) {
+  std::vector<int> out;
+  const char* list = std::getenv(name);
+  for (const char* at = list ? list : ""; *at;) {
+    char* end = nullptr;
+    const long v = std::strtol(at, &end, 10);
+    if (end == at || v < lo || v > hi || (*end != ',' && *end != '\0'))
+      throw Error(std::string(name) + ": '" + list + "' is not a list of " + what + " in " + std::to_string(lo) +
+                  ".." + std::to_string(hi));
+    out.push_back(int(v));
+    at = *end == ',' ? end + 1 : end;
+  }
+  return out;
+}
+
 }  // namespace
 
 std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
@@ -152,6 +169,7 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
   const Tensor ksd = ks.to(Device::cuda()), vsd = vs.to(Device::cuda());
   struct Case {
     int B, ctx, dql;
+    int seed = -1;  // >= 0: the top-k lists drawn from this seed's own stream
   };
   auto plan_splits = [](const Case& c, bool fp8) {
     return msa_decode_splits(c.B, c.dql, kHq, kHkv, kTopk, c.ctx / kPageTokens, fp8);
@@ -161,20 +179,22 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
   // there M3RT_BENCH_MSA_BATCHES (e.g. "32,64,96") replaces the batch sizes 1, 32, 128.
   const bool decode_only = std::getenv("M3RT_BENCH_MSA_DECODE_ONLY") != nullptr;
   std::vector<int> batches = env.quick ? std::vector<int>{1, 32} : std::vector<int>{1, 32, 128};
-  if (const char* list = std::getenv("M3RT_BENCH_MSA_BATCHES"); decode_only && list && *list) {
-    batches.clear();
-    for (const char* at = list; *at;) {
-      char* end = nullptr;
-      const long b = std::strtol(at, &end, 10);
-      if (end == at || b < 1 || b > 4096)
-        throw Error(std::string("M3RT_BENCH_MSA_BATCHES: '") + list + "' is not a list of batch sizes in 1..4096");
-      batches.push_back(int(b));
-      at = *end == ',' ? end + 1 : end;
-    }
+  if (decode_only) {
+    if (std::vector<int> list = env_int_list("M3RT_BENCH_MSA_BATCHES", 1, 4096, "batch sizes"); !list.empty())
+      batches = list;
   }
   for (int ctx : env.quick || decode_only ? std::vector<int>{32768} : std::vector<int>{32768, 131072})
     for (int B : batches) decode_cases.push_back({B, ctx, 1});
   if (!decode_only) decode_cases.push_back({32, 32768, 8});  // verify
+  // M3RT_BENCH_MSA_VERIFY_SEEDS (e.g. "1,2,3"; investigation): the verify case alone, once for each
+  // seed with its top-k lists drawn from that seed's stream (the usual row draws them where the
+  // earlier cases left one stream, so the quick and the full bench time different lists), and the
+  // default timed again after the row's ratios ("first / again": the order's effect).
+  const std::vector<int> verify_seeds = env_int_list("M3RT_BENCH_MSA_VERIFY_SEEDS", 0, 1 << 30, "seeds");
+  if (!verify_seeds.empty()) {
+    decode_cases.clear();
+    for (int seed : verify_seeds) decode_cases.push_back({32, 32768, 8, seed});
+  }
   // M3RT_BENCH_MSA_PREFILL_ONLY="L:share" (profiling): the prefill rows of one context (L K tokens)
   // and one share (0: independent lists) alone, no decode, verify, ratios or drafter blocks (with
   // M3RT_BENCH_MSA_DECODE_ONLY as well, the decode rows alone).
@@ -194,6 +214,7 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
       const double per_token_io = double(kHq) * 128 * 2 * 2;  // q in, out
       const double est = double(c.B) * kHkv * kTopk * slice_bytes;
       const int sets = sets_beyond_l2(est, 8);
+      if (c.seed >= 0) rng.seed(uint64_t(c.seed));
       std::vector<Batch> batch = make_sets(rng, fp8, c.B, c.ctx, c.dql, 0, sets);
       MsaDecodePlan plan({c.B, c.dql, kHq, kHkv, kTopk, nb, kd}, Device::cuda());
       auto call_with = [&](MsaDecodePlan& plan_to_run, bool pdl = false, bool p_residue = true) {
@@ -227,7 +248,8 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
       BenchRow r;
       r.op = "msa_attention";
       r.variant = std::string(c.dql > 1 ? "verify dql8 " : "decode ") + (fp8 ? "fp8" : "bf16") + " B" +
-                  std::to_string(c.B) + " ctx" + std::to_string(c.ctx / 1024) + "K";
+                  std::to_string(c.B) + " ctx" + std::to_string(c.ctx / 1024) + "K" +
+                  (c.seed >= 0 ? " seed " + std::to_string(c.seed) : "");
       r.us = time_us(call, sets, true, env);
       r.bytes = batch[0].unique_slices * slice_bytes + double(c.B) * c.dql * per_token_io;
       r.gbps = r.bytes / (r.us * 1e3);
@@ -313,13 +335,14 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
         msa_force_baseline(false);
       }
       tt_off.reset();
+      if (c.seed >= 0) rows.back().ratios.push_back({"first / again", r.us / time_us(call, sets, true, env)});
       floor_rows();
       if (with_pdl) rows.push_back(pdl_row(r));
       if (c.dql > 1)  // P rounded once (MsaDecodeArgs::p_residue false)
         rows.push_back(derived_row(r, " p16", false, false, "; P rounded once (p_residue false)", "vs p_residue"));
     }
   }
-  if (decode_only) return rows;
+  if (decode_only || !verify_seeds.empty()) return rows;
   if (env.gemm_tflops == 0) env.gemm_tflops = measure_gemm_tflops();
   for (bool fp8 : {false, true}) {
     const KvCacheDtype kd = fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto;
@@ -391,7 +414,9 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
 // with inputs rotated beyond L2.
 std::vector<BenchRow> bench_msa_attention_draft(BenchEnv& env) {
   // tuning runs of the dql-1 decode, profiling runs of one prefill row
-  if (std::getenv("M3RT_BENCH_MSA_DECODE_ONLY") || std::getenv("M3RT_BENCH_MSA_PREFILL_ONLY")) return {};
+  if (std::getenv("M3RT_BENCH_MSA_DECODE_ONLY") || std::getenv("M3RT_BENCH_MSA_PREFILL_ONLY") ||
+      std::getenv("M3RT_BENCH_MSA_VERIFY_SEEDS"))
+    return {};
   constexpr int N = 7, K = kMsaMaxTopk, window = 4096, ctx = 8192;
   const int seq = ctx + N, first = (ctx - window + 1) / kPageTokens, last = (seq - 1) / kPageTokens;
   const int nb = last + 1, span = last - first + 1;

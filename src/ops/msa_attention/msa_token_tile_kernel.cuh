@@ -4,6 +4,8 @@
 // file's unnamed namespace, so the kernels and helpers keep internal linkage).
 #pragma once
 
+#include <cstring>
+
 #include "ops/msa_attention/msa_device.cuh"
 
 namespace m3rt {
@@ -491,12 +493,9 @@ __global__ void __launch_bounds__(kTtThreads, 1)
       for (int ks = 0; ks < 4; ++ks) {
         float pv[2][4];
         uint32_t pb[2][2][2];  // [value, residue][head tile][keys +0-7, +8-15]
-        if (ks == 0) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            pv[i / 4][i % 4] = pv0[i / 4][i % 4];
-            pb[i / 4][i / 2 % 2][i % 2] = pb0[i / 4][i / 2 % 2][i % 2];
-          }
+        if (ks == 0) {  // step 0's, made before the vote
+          std::memcpy(pv, pv0, sizeof pv);
+          std::memcpy(pb, pb0, sizeof pb);
         } else {
           weights(ks, pv, pb);
         }

@@ -480,8 +480,9 @@ bool msa_decode1_read_floor_launch(const MsaParams& p, unsigned* sink, CUstream_
 // shared8 1.08x, verify B32 1.02x (H200, session 35; the ordered union since: 8K 1.22x, verify
 // 1.05x); bf16 pages, once 0.98x / 1.05x / 0.90x / 0.88x (H200, session 35, so they kept the wgmma
 // tiles until session 42), since the three warpgroups (session 41) prefill 8K 1.20x, 32K 1.42x,
-// shared2 1.14x / 1.28x, shared8 1.04x / 1.07x, verify B32 1.04x (p16 1.00x) (H100, session 42;
-// the full bench's verify lists 0.90-0.91x, session 43: open, docs/perf.md).
+// shared2 1.14x / 1.28x, shared8 1.04x / 1.07x, verify B32 1.04x (p16 1.00x) (H100, session 42);
+// verify B32 on the H200 1.07-1.11x over five seeds' lists and the full bench's (session 44; the
+// H100's full-bench lists alone gave 0.90-0.91x, session 43).
 // M3RT_MSA_TOKEN_TILE=0: never (the wgmma tiles; benchmarks, checks); =2: also unsplit decode
 // from dql 2 (benchmarks, tests). Returns the tile's dynamic shared memory, 0 where it does not run.
 int token_tile_smem(const MsaParams& p) {

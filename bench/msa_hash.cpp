@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <vector>
 
@@ -86,8 +87,15 @@ void run_case(const Case& c, Rng& rng) {
   const m3rt::Device gpu = m3rt::Device::cuda(0);
   const Tensor dq = q.to(gpu), dcache = cache.to(gpu), dtable = table.to(gpu), dtopk = topk.to(gpu);
   const Tensor dlens = lens.to(gpu), dcu = cu.to(gpu), dks = k_scale.to(gpu), dvs = v_scale.to(gpu);
-  Tensor out = Tensor::empty({tokens, kHq, kDim}, DType::kBFloat16, gpu);
-  Tensor lse = Tensor::empty({tokens, kHq}, DType::kFloat32, gpu);
+  // The outputs poisoned (every byte 0xff: NaN in bf16 and fp32), so that an element a library does
+  // not write hashes the same way in every run and differs from a written one.
+  auto poisoned = [&](std::vector<int64_t> shape, DType dt) {
+    Tensor h = Tensor::empty(std::move(shape), dt);
+    std::memset(h.data(), 0xff, size_t(h.nbytes()));
+    return h.to(gpu);
+  };
+  Tensor out = poisoned({tokens, kHq, kDim}, DType::kBFloat16);
+  Tensor lse = poisoned({tokens, kHq}, DType::kFloat32);
   m3rt::MsaKvCache kv{dcache.view(), c.fp8 ? m3rt::KvCacheDtype::kFp8E4M3 : m3rt::KvCacheDtype::kBFloat16,
                       c.fp8 ? dks.view() : m3rt::TensorView{}, c.fp8 ? dvs.view() : m3rt::TensorView{}};
   constexpr float kScale = 0.0884f;

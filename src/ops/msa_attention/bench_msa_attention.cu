@@ -140,6 +140,13 @@ std::vector<Batch> make_sets(std::mt19937_64& rng, bool fp8, int B, int ctx, int
 
 using detail::ScopedEnv;  // the plan's tuning knobs (M3RT_MSA_*) for a scope
 
+// Whether environment variable `name` is set to something (an empty value counts as unset, as for
+// the lists and M3RT_BENCH_MSA_PREFILL_ONLY).
+bool env_set(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v;
+}
+
 // Environment variable `name` as a comma-separated list of integers in [lo, hi] (`what` names them
 // in the error); empty when unset or empty.
 std::vector<int> env_int_list(const char* name, long lo, long hi, const char* what) {
@@ -177,7 +184,7 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
   std::vector<Case> decode_cases;
   // M3RT_BENCH_MSA_DECODE_ONLY=1 (tuning): dql-1 decode at 32K, no ratios, no verify or prefill;
   // there M3RT_BENCH_MSA_BATCHES (e.g. "32,64,96") replaces the batch sizes 1, 32, 128.
-  const bool decode_only = std::getenv("M3RT_BENCH_MSA_DECODE_ONLY") != nullptr;
+  const bool decode_only = env_set("M3RT_BENCH_MSA_DECODE_ONLY");
   std::vector<int> batches = env.quick ? std::vector<int>{1, 32} : std::vector<int>{1, 32, 128};
   if (decode_only) {
     if (std::vector<int> list = env_int_list("M3RT_BENCH_MSA_BATCHES", 1, 4096, "batch sizes"); !list.empty())
@@ -413,9 +420,9 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
 // (M3RT_MSA_SPLITS) and the mma.sync loop instead of wgmma (M3RT_MSA_WGMMA=0), each a graph replay
 // with inputs rotated beyond L2.
 std::vector<BenchRow> bench_msa_attention_draft(BenchEnv& env) {
-  // tuning runs of the dql-1 decode, profiling runs of one prefill row
-  if (std::getenv("M3RT_BENCH_MSA_DECODE_ONLY") || std::getenv("M3RT_BENCH_MSA_PREFILL_ONLY") ||
-      std::getenv("M3RT_BENCH_MSA_VERIFY_SEEDS"))
+  // tuning runs of the dql-1 decode, profiling runs of one prefill row, the verify rows over seeds
+  if (env_set("M3RT_BENCH_MSA_DECODE_ONLY") || env_set("M3RT_BENCH_MSA_PREFILL_ONLY") ||
+      env_set("M3RT_BENCH_MSA_VERIFY_SEEDS"))
     return {};
   constexpr int N = 7, K = kMsaMaxTopk, window = 4096, ctx = 8192;
   const int seq = ctx + N, first = (ctx - window + 1) / kPageTokens, last = (seq - 1) / kPageTokens;

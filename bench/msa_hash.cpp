@@ -5,8 +5,9 @@
 // reordered loop, a new pipeline, bookkeeping) is bit-identical, beside `m3rt check`'s tolerances.
 // Run it once a library (LD_LIBRARY_PATH picks which libm3rt.so.0) and diff the outputs.
 // Calls: M3's TP1 heads (Hq 64, Hkv 4, topk 16): e4m3 prefill with the P residue and without
-// (p_residue false), bf16 prefill, e4m3 verify (dql 8, 32 requests) both ways, bf16 verify; ids
-// include -1 entries and adjacent rows share most of their pages.
+// (p_residue false), bf16 prefill, e4m3 verify (dql 8, 32 requests) both ways, bf16 verify, and
+// dql-1 decode of 1 and 8 requests in bf16 and e4m3 (split grids, merged in a cluster on Hopper);
+// ids include -1 entries and adjacent rows share most of their pages.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -115,7 +116,7 @@ void run_case(const Case& c, Rng& rng) {
   }
   const Tensor ho = out.to(m3rt::Device::cpu()), hl = lse.to(m3rt::Device::cpu());
   std::printf("%s %-4s p_residue %d  requests %2d  tokens %5lld  out %016llx  lse %016llx\n",
-              c.dql ? "verify " : "prefill", c.fp8 ? "e4m3" : "bf16", int(c.p_residue), c.requests, (long long)tokens,
+              c.dql > 1 ? "verify " : c.dql ? "decode " : "prefill", c.fp8 ? "e4m3" : "bf16", int(c.p_residue), c.requests, (long long)tokens,
               (unsigned long long)fnv1a(ho.data(), size_t(ho.nbytes())),
               (unsigned long long)fnv1a(hl.data(), size_t(hl.nbytes())));
 }
@@ -131,7 +132,9 @@ int main() {
     Rng rng;
     const Case cases[] = {{true, true, 1, 2048, 8192, 0}, {true, false, 2, 700, 5000, 0},
                           {false, true, 1, 1024, 4100, 0}, {true, true, 32, 0, 4000, 8},
-                          {true, false, 32, 0, 2500, 8},   {false, true, 32, 0, 3000, 8}};
+                          {true, false, 32, 0, 2500, 8},   {false, true, 32, 0, 3000, 8},
+                          {false, true, 1, 0, 30000, 1},   {true, true, 1, 0, 30000, 1},
+                          {false, true, 8, 0, 20000, 1},   {true, true, 8, 0, 20000, 1}};
     for (const Case& c : cases) run_case(c, rng);
     return 0;
   } catch (const std::exception& e) {

@@ -39,9 +39,9 @@ namespace {
 // highest register is R187, bf16's R202; the cp.async producer spilled at 40).
 constexpr int kTtWarps = 8, kTtThreads = (kTtWarps + 4) * 32;
 constexpr int kTtProducerRegs = 56, kTtConsumerRegs = 224;  // 128 x 56 + 256 x 224 <= 65536
-// The prologue's registers: a thread's top-k ids (at most kTtWarps x kMsaMaxTopk in all) and its
-// table entries (a segment of up to kTtTableRegs blocks each, 1,536 blocks a request; past that
-// the union loads them itself).
+// The prologue's registers: a thread's top-k ids (at most kTtWarps x kMsaMaxTopk in all) and the
+// first kTtTableRegs table entries of its segment of the request's blocks (segments are longer
+// past 1,536 blocks a request: the union loads the rest when it needs them).
 constexpr int kTtIdRegs = (kTtWarps * kMsaMaxTopk + kTtThreads - 1) / kTtThreads, kTtTableRegs = 4;
 // A chunk's worth of zero V rows (64 x 128 bytes), the source of a request's last chunk's rows past
 // seq_len (the producer's bulk copies).
@@ -140,19 +140,15 @@ __global__ void __launch_bounds__(kTtThreads, 1)
   const int nb_all = gr.seq_len > 0 ? (gr.seq_len + kPage - 1) / kPage : 0;
   const int32_t* table = p.block_table + int64_t(gr.b) * p.block_table_stride;
   const int seg = (nb_all + kTtThreads - 1) / kTtThreads, i0 = min(tid * seg, nb_all), i1 = min(i0 + seg, nb_all);
-  const bool seg_in_regs = seg <= kTtTableRegs;  // else the union loads its entries itself
-  int tv[kTtTableRegs];
+  int tv[kTtTableRegs];  // the segment's first entries (a segment longer than that loads the rest late)
 #pragma unroll
-  for (int k = 0; k < kTtTableRegs; ++k) tv[k] = seg_in_regs && i0 + k < i1 ? table[i0 + k] : -1;
+  for (int k = 0; k < kTtTableRegs; ++k) tv[k] = i0 + k < i1 ? table[i0 + k] : -1;
   // f(i, table[i]) for each block i of the thread's segment, in order.
   auto for_segment = [&](auto&& f) {
-    if (seg_in_regs) {
 #pragma unroll
-      for (int k = 0; k < kTtTableRegs; ++k)
-        if (i0 + k < i1) f(i0 + k, tv[k]);
-    } else {
-      for (int i = i0; i < i1; ++i) f(i, table[i]);
-    }
+    for (int k = 0; k < kTtTableRegs; ++k)
+      if (i0 + k < i1) f(i0 + k, tv[k]);
+    for (int i = i0 + kTtTableRegs; i < i1; ++i) f(i, table[i]);
   };
 #pragma unroll
   for (int k = 0; k < kTtIdRegs; ++k) {

@@ -1,5 +1,5 @@
 // The `m3rt check` rows of MSA sparse attention: msa_prefill (varlen, chunked prefill; groups 16,
-// 4, 1, 8; topk 16 and 64) and msa_decode (decode_query_len 1, 2, 5, 7, 8 and 32, groups 16, 8, 4, 2, 1, topk 16
+// 4, 1, 8; topk 16 and 64; a 200,000-token context) and msa_decode (decode_query_len 1, 2, 5, 7, 8 and 32, groups 16, 8, 4, 2, 1, topk 16
 // and 64, padded requests, non-causal windowed variants, batches of up to 50, block tables of
 // 5000 and 30000 blocks a row).
 // Inputs: q random bf16 in [-1, 1]; cache codes random; shuffled block tables; top-k lists made
@@ -332,6 +332,9 @@ void check_msa_prefill(CheckContext& c) {
   // request (a union of up to 8 x 64 entries).
   check_msa_variant(c, {true, 64, 4, 16, 0, {1300, 200}, {70, 200}});
   check_msa_variant(c, {true, 64, 4, 64, 0, {3000, 150}, {40, 150}});
+  // A 200,000-token context (1,563 blocks: more than the per-token tile's prologue holds in
+  // registers, 4 table entries a thread), its last 8 tokens.
+  check_msa_variant(c, {true, 16, 1, 16, 0, {200000}, {8}});
   // k_scale 0 (device data, so no host check; the reference weighs every visible key the same):
   // the per-token tile scales the scores before its mask and max there.
   check_msa_variant(c, {true, 64, 4, 16, 0, {700, 150}, {40, 150}, {}, 0, true});

@@ -121,10 +121,12 @@ __device__ __forceinline__ uint4 lds128(const char* p) { return *reinterpret_cas
 // the row's max |q| by shuffles, then each thread rewrites its 16-byte piece in place; q_factor
 // gets 2^e. A row with no finite nonzero max keeps e = 0.
 // kPlainSwz: rows swizzled as piece ^ (row % 8) (msa_token_tile_kernel) instead of swz_bf16.
+// The kThreads threads calling it are 0.. kThreads - 1 by `tid` (the CTA, or one warp by its lane
+// for rows of its own: q_s and q_factor then point at the warp's first row, a multiple of 8).
 template <int kThreads, bool kPlainSwz = false>
-__device__ void q_rows_to_f16(char* q_s, float* q_factor, int rows) {
-  for (int base = 0; base < rows * 16; base += kThreads) {  // block-uniform; rows * 16 % 16 == 0
-    const int idx = base + int(threadIdx.x), row = idx / 16, pc = idx % 16;
+__device__ void q_rows_to_f16(char* q_s, float* q_factor, int rows, int tid = int(threadIdx.x)) {
+  for (int base = 0; base < rows * 16; base += kThreads) {  // uniform; rows * 16 % 16 == 0
+    const int idx = base + tid, row = idx / 16, pc = idx % 16;
     const bool active = idx < rows * 16;  // whole half-warps
     char* piece = q_s + row * 256 + ((pc ^ (kPlainSwz ? row & 7 : swz_bf16(row))) * 16);
     float x[8];

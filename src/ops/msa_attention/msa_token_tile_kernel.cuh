@@ -4,6 +4,7 @@
 // file's unnamed namespace, so the kernels and helpers keep internal linkage).
 #pragma once
 
+#include <climits>
 #include <cstring>
 
 #include "ops/msa_attention/msa_device.cuh"
@@ -38,6 +39,10 @@ namespace {
 // highest register is R187, bf16's R202; the cp.async producer spilled at 40).
 constexpr int kTtWarps = 8, kTtThreads = (kTtWarps + 4) * 32;
 constexpr int kTtProducerRegs = 56, kTtConsumerRegs = 224;  // 128 x 56 + 256 x 224 <= 65536
+// The prologue's registers: a thread's top-k ids (at most kTtWarps x kMsaMaxTopk in all) and the
+// first kTtTableRegs table entries of its segment of the request's blocks (segments are longer
+// past 1,536 blocks a request: the union loads the rest when it needs them).
+constexpr int kTtIdRegs = (kTtWarps * kMsaMaxTopk + kTtThreads - 1) / kTtThreads, kTtTableRegs = 4;
 // A chunk's worth of zero V rows (64 x 128 bytes), the source of a request's last chunk's rows past
 // seq_len (the producer's bulk copies).
 __device__ const uint4 kTtZeroRows[kChunkKeys * 8] = {};
@@ -63,8 +68,8 @@ __host__ __device__ inline TtLayout tt_layout(bool fp8, int topk, int max_blocks
   const int n = kTtWarps * topk, u_cap = n < max_blocks ? n : max_blocks;
   l.uniq_off = 1024;
   l.order_off = l.uniq_off + u_cap * 16;  // the union in token-balanced order
-  l.key_off = l.order_off + u_cap * 16;    // its sort keys
-  l.qf_off = l.key_off + u_cap * 4;
+  l.key_off = l.order_off + u_cap * 16;    // its sort keys, to a whole int4
+  l.qf_off = l.key_off + (u_cap + 3) / 4 * 16;
   l.q_off = (l.qf_off + (fp8 ? kTtWarps * 16 * 4 : 0) + 1023) / 1024 * 1024;
   l.ring_off = l.q_off + kTtWarps * 16 * 256;
   l.total = l.ring_off + tt_stages(fp8) * tt_chunk_bytes(fp8) + 1024;
@@ -112,14 +117,43 @@ __global__ void __launch_bounds__(kTtThreads, 1)
     cp_async_16z(q_s + row * 256 + ((pc ^ (row & 7)) << 4), src, live ? 16 : 0);
   }
   cp_async_commit();
+  // The decode length, the ids (into registers: a thread's at most kTtIdRegs) and the thread's
+  // table entries all in flight at once: the length first, the ids, then (once the length is
+  // known: prefill has it) the entries of the thread's segment of the visible blocks, which the
+  // union uses after the bitmap (session 44's stamps: each of these had been a round trip after
+  // the other).
+  const int dec_len = p.cu_seqlens_q ? 0 : p.seq_lens[gr.b];
   const int n = gr.tokens * topk;
   int* raw = reinterpret_cast<int*>(ring);
-  for (int e = tid; e < n; e += kTtThreads)
-    raw[e] = p.topk[int64_t(kv_head) * p.topk_stride_h + (gr.tok0 + e / topk) * p.topk_stride_t +
-                    int64_t(e % topk) * p.topk_stride_k];
-  if (!p.cu_seqlens_q && !decode_group_length(p, p.seq_lens[gr.b], gr)) {
+  int idv[kTtIdRegs];
+#pragma unroll
+  for (int k = 0; k < kTtIdRegs; ++k) {
+    const int e = tid + k * kTtThreads;
+    if (e < n)
+      idv[k] = p.topk[int64_t(kv_head) * p.topk_stride_h + (gr.tok0 + e / topk) * p.topk_stride_t +
+                      int64_t(e % topk) * p.topk_stride_k];
+  }
+  if (!p.cu_seqlens_q && !decode_group_length(p, dec_len, gr)) {
     cp_async_wait<0>();  // nothing may land in a finished CTA's shared memory
     return;
+  }
+  const int nb_all = gr.seq_len > 0 ? (gr.seq_len + kPage - 1) / kPage : 0;
+  const int32_t* table = p.block_table + int64_t(gr.b) * p.block_table_stride;
+  const int seg = (nb_all + kTtThreads - 1) / kTtThreads, i0 = min(tid * seg, nb_all), i1 = min(i0 + seg, nb_all);
+  int tv[kTtTableRegs];  // the segment's first entries (a segment longer than that loads the rest late)
+#pragma unroll
+  for (int k = 0; k < kTtTableRegs; ++k) tv[k] = i0 + k < i1 ? table[i0 + k] : -1;
+  // f(i, table[i]) for each block i of the thread's segment, in order.
+  auto for_segment = [&](auto&& f) {
+#pragma unroll
+    for (int k = 0; k < kTtTableRegs; ++k)
+      if (i0 + k < i1) f(i0 + k, tv[k]);
+    for (int i = i0 + kTtTableRegs; i < i1; ++i) f(i, table[i]);
+  };
+#pragma unroll
+  for (int k = 0; k < kTtIdRegs; ++k) {
+    const int e = tid + k * kTtThreads;
+    if (e < n) raw[e] = idv[k];
   }
   if (tid < gr.tokens) tok_range[tid] = token_range(p, gr, tid);
   if (tid == 0) {
@@ -128,7 +162,6 @@ __global__ void __launch_bounds__(kTtThreads, 1)
     kernels::mbar_init(land, 1);
     kernels::fence_mbarrier_init();
   }
-  const int nb_all = gr.seq_len > 0 ? (gr.seq_len + kPage - 1) / kPage : 0;
   uint32_t* sel = reinterpret_cast<uint32_t*>(ring + (n * 4 + 15) / 16 * 16);
   for (int i = tid; i < nb_all; i += kTtThreads) sel[i] = 0u;
   __syncthreads();
@@ -140,15 +173,13 @@ __global__ void __launch_bounds__(kTtThreads, 1)
     if (id >= 0 && id < tok_range[r].z) atomicOr(&sel[id], 1u << r);
   }
   __syncthreads();
-  const int32_t* table = p.block_table + int64_t(gr.b) * p.block_table_stride;
-  const int seg = (nb_all + kTtThreads - 1) / kTtThreads, i0 = min(tid * seg, nb_all), i1 = min(i0 + seg, nb_all);
   int mine = 0;
-  for (int i = i0; i < i1; ++i)
+  for_segment([&](int i, int page) {
     if (sel[i] != 0u) {
-      const int page = table[i];
       if (page >= 0 && page < p.num_cache_blocks) ++mine;
       else sel[i] = 0u;
     }
+  });
   int incl = mine;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
@@ -161,16 +192,13 @@ __global__ void __launch_bounds__(kTtThreads, 1)
   int base = incl - mine;
   for (int w = 0; w < warp; ++w) base += misc[w];
   if (tid == kTtThreads - 1) misc[15] = base + mine;
-  for (int i = i0; i < i1; ++i) {
-    if (sel[i] != 0u) uniq[base++] = union_entry(gr, tok_range, i, table[i], sel[i]);
-  }
-  // e4m3: the queries as f16, each head row scaled into f16's range (its factor in qf).
-  float* qf = reinterpret_cast<float*>(smem + L.qf_off);
-  if constexpr (kFp8) q_rows_to_f16<kTtThreads, true>(q_s, qf, kTtWarps * G);
+  for_segment([&](int i, int page) {
+    if (sel[i] != 0u) uniq[base++] = union_entry(gr, tok_range, i, page, sel[i]);
+  });
   // kTma: this thread's accesses to the stage area (the raw ids, the bitmap) ordered before the
   // copy engine's writes there (another proxy), as msa_sparse_kernel's prologue does.
   if constexpr (kTma) kernels::fence_proxy_async();
-  __syncthreads();  // the union, the queries; the stage area free for the copies
+  __syncthreads();  // the union; the stage area free for the copies
   const int U = misc[15];
   const char* cache = static_cast<const char*>(p.cache);
   // The union in token-balanced order: each page keyed by (its rank in the list of the lowest token
@@ -192,11 +220,17 @@ __global__ void __launch_bounds__(kTtThreads, 1)
         if (e < U && msk == 0u && warp == 0) key[e] = (1 << 30) + e;
       }
     }
+    if (tid < (4 - U % 4) % 4) key[U + tid] = INT_MAX;  // to a whole int4: above every key
     __syncthreads();
+    const int4* key4 = reinterpret_cast<const int4*>(key);
     for (int e = tid; e < U; e += kTtThreads) {
       const int k = key[e];
       int pos = 0;
-      for (int j = 0; j < U; ++j) pos += key[j] < k;
+#pragma unroll 4
+      for (int j = 0; j < (U + 3) / 4; ++j) {
+        const int4 v = key4[j];
+        pos += int(v.x < k) + int(v.y < k) + int(v.z < k) + int(v.w < k);
+      }
       order[pos] = uniq[e];
     }
     __syncthreads();
@@ -256,6 +290,13 @@ __global__ void __launch_bounds__(kTtThreads, 1)
     return;
   }
   kernels::setmaxnreg_inc<kTtConsumerRegs>();
+  // e4m3: the warp's token's queries as f16, each head row scaled into f16's range (its factor in
+  // qf), converted by the warp itself while the producer's first copies are in flight.
+  float* qf = reinterpret_cast<float*>(smem + L.qf_off);
+  if constexpr (kFp8) {
+    q_rows_to_f16<32, true>(q_s + warp * G * 256, qf + warp * G, G, lane);
+    __syncwarp();
+  }
 
   // Consumer warp: token tok0 + warp. O^T fragments [dim tile 8][head tile 2][4] (P's value and
   // residue MMAs accumulate into the same fragments); running max (log2 units) and partial sums of

@@ -68,6 +68,12 @@ struct IndexSets {
 };
 IndexSets make_index_sets(int sets, int64_t n, int block_size, int64_t max_pos, std::mt19937_64& rng);
 
+// Whether environment variable `name` is set to something (an empty value counts as unset).
+bool env_set(const char* name);
+// Environment variable `name` as a comma-separated list of integers in [lo, hi] (`what` names them
+// in the error, an m3rt::Error); empty when unset or empty.
+std::vector<int> env_int_list(const char* name, long lo, long hi, const char* what);
+
 // How many input sets to rotate so that together they exceed 3x the L2 (60 MB on an H200).
 int sets_beyond_l2(double bytes_per_set, int max_sets = 32);
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -250,6 +251,26 @@ int sets_beyond_l2(double bytes_per_set, int max_sets) {
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));
   const double want = 3.0 * double(l2);
   return std::clamp(int(want / std::max(bytes_per_set, 1.0)) + 1, 1, max_sets);
+}
+
+bool env_set(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v;
+}
+
+std::vector<int> env_int_list(const char* name, long lo, long hi, const char* what) {
+  std::vector<int> out;
+  const char* list = std::getenv(name);
+  for (const char* at = list ? list : ""; *at;) {
+    char* end = nullptr;
+    const long v = std::strtol(at, &end, 10);
+    if (end == at || v < lo || v > hi || (*end != ',' && *end != '\0'))
+      throw Error(std::string(name) + ": '" + list + "' is not a list of " + what + " in " + std::to_string(lo) +
+                  ".." + std::to_string(hi));
+    out.push_back(int(v));
+    at = *end == ',' ? end + 1 : end;
+  }
+  return out;
 }
 
 namespace {

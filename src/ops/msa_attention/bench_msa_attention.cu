@@ -140,30 +140,6 @@ std::vector<Batch> make_sets(std::mt19937_64& rng, bool fp8, int B, int ctx, int
 
 using detail::ScopedEnv;  // the plan's tuning knobs (M3RT_MSA_*) for a scope
 
-// Whether environment variable `name` is set to something (an empty value counts as unset, as for
-// the lists and M3RT_BENCH_MSA_PREFILL_ONLY).
-bool env_set(const char* name) {
-  const char* v = std::getenv(name);
-  return v && *v;
-}
-
-// Environment variable `name` as a comma-separated list of integers in [lo, hi] (`what` names them
-// in the error); empty when unset or empty.
-std::vector<int> env_int_list(const char* name, long lo, long hi, const char* what) {
-  std::vector<int> out;
-  const char* list = std::getenv(name);
-  for (const char* at = list ? list : ""; *at;) {
-    char* end = nullptr;
-    const long v = std::strtol(at, &end, 10);
-    if (end == at || v < lo || v > hi || (*end != ',' && *end != '\0'))
-      throw Error(std::string(name) + ": '" + list + "' is not a list of " + what + " in " + std::to_string(lo) +
-                  ".." + std::to_string(hi));
-    out.push_back(int(v));
-    at = *end == ',' ? end + 1 : end;
-  }
-  return out;
-}
-
 }  // namespace
 
 std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {

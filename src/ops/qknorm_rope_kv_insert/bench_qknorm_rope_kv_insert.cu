@@ -51,11 +51,18 @@ std::vector<BenchRow> bench_qknorm_rope_kv_insert(const BenchEnv& env) {
     bool q_out = false;  // q to a separate output (the drafter's call) instead of back into qkv
   };
   std::vector<Variant> variants;
-  for (bool sparse : {false, true}) {
-    for (int64_t T : env.quick ? std::vector<int64_t>{56, 1792} : std::vector<int64_t>{7, 56, 448, 1792})
-      variants.push_back({false, T, sparse});
-    if (!sparse) variants.push_back({false, 1792, false, true});
-    variants.push_back({true, 1792, sparse});
+  // M3RT_BENCH_QK_TOKENS (e.g. "1752,1792"; investigation): only the dense bf16 rows (q in place),
+  // once for each token count; the quad kernel's one-wave grid walks ceil(T / token lanes) steps.
+  if (const std::vector<int> tokens = env_int_list("M3RT_BENCH_QK_TOKENS", 1, 1 << 20, "token counts");
+      !tokens.empty()) {
+    for (int T : tokens) variants.push_back({false, T, false});
+  } else {
+    for (bool sparse : {false, true}) {
+      for (int64_t T : env.quick ? std::vector<int64_t>{56, 1792} : std::vector<int64_t>{7, 56, 448, 1792})
+        variants.push_back({false, T, sparse});
+      if (!sparse) variants.push_back({false, 1792, false, true});
+      variants.push_back({true, 1792, sparse});
+    }
   }
   for (const Variant& var : variants) {
     const int64_t T = var.T;

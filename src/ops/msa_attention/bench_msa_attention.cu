@@ -172,10 +172,12 @@ std::vector<BenchRow> bench_msa_attention(BenchEnv& env) {
   // M3RT_BENCH_MSA_VERIFY_SEEDS (e.g. "1,2,3"; investigation): the verify case alone, once for each
   // seed with its top-k lists drawn from that seed's stream (the usual row draws them where the
   // earlier cases left one stream, so the quick and the full bench time different lists), and the
-  // default timed again after the row's ratios ("first / again": the order's effect).
+  // default timed again after the row's ratios ("first / again": the order's effect). With
+  // M3RT_BENCH_MSA_VERIFY_AFTER_ALL=1 the seeds' rows come after every usual decode and verify row
+  // instead of alone (the same lists, after the run's history: its 128K batches come and go).
   const std::vector<int> verify_seeds = env_int_list("M3RT_BENCH_MSA_VERIFY_SEEDS", 0, 1 << 30, "seeds");
   if (!verify_seeds.empty()) {
-    decode_cases.clear();
+    if (!env_set("M3RT_BENCH_MSA_VERIFY_AFTER_ALL")) decode_cases.clear();
     for (int seed : verify_seeds) decode_cases.push_back({32, 32768, 8, seed});
   }
   // M3RT_BENCH_MSA_PREFILL_ONLY="L:share" (profiling): the prefill rows of one context (L K tokens)

@@ -37,6 +37,9 @@ struct DeviceLimits {
   int smem_per_sm = 0;  // shared memory an SM holds, bytes
   int smem_optin = 0;   // the most dynamic shared memory a block may opt in to, bytes
   int cc_major = 0;     // compute capability, major
+  // DRAM bandwidth by the device's specification (memory clock x bus width, double data rate),
+  // bytes a second; 0 where the device does not report it.
+  double dram_bytes_per_s = 0;
 };
 DeviceLimits device_limits();
 

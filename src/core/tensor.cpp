@@ -245,6 +245,11 @@ DeviceLimits device_limits() {
     M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&l.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
     M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&l.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&l.cc_major, cudaDevAttrComputeCapabilityMajor, dev));
+    int mem_khz = 0, bus_bits = 0;  // a device that reports neither keeps 0 (rules then keep their defaults)
+    if (cudaDeviceGetAttribute(&mem_khz, cudaDevAttrMemoryClockRate, dev) == cudaSuccess &&
+        cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, dev) == cudaSuccess)
+      l.dram_bytes_per_s = 2.0 * mem_khz * 1e3 * bus_bits / 8.0;
+    (void)cudaGetLastError();
     return l;
   };
   constexpr int kCached = 64;  // devices beyond it are queried on every call

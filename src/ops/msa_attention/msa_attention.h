@@ -84,11 +84,17 @@ M3RT_HOST_DEVICE inline int64_t msa_decode_groups(int batch, int decode_query_le
 // Splits per (row group, KV head) for a decode shape on the current device: the CTAs of a row group
 // share its pages and the last one merges. About as many CTAs as the SMs hold (the general kernel:
 // one per SM; decode_query_len 1: about 1.5 (bf16) or 2.25 (e4m3) per SM, and for bf16 one split
-// once the (request, KV head) pairs alone cover >= 95% of the SMs), at most 16, never more
+// once the (request, KV head) pairs alone cover >= 95% of the SMs; bf16 on a GPU with less DRAM
+// bandwidth an SM than the H200: msa_decode1_bf16_lean_splits), at most 16, never more
 // than the pages' 64-key chunks; 1: no split scratch. The environment variable
 // M3RT_MSA_SPLITS overrides it (benchmark tuning).
 int msa_decode_splits(int batch, int decode_query_len, int num_heads, int num_kv_heads, int topk, int max_blocks,
                       bool fp8);
+// The dql-1 bf16 split count msa_decode_splits takes on GPUs with less DRAM bandwidth an SM than
+// the H200 (the H100): the largest power of two <= cap (the shape's most splits, <= 16) with
+// pairs x splits <= sms (at most one CTA an SM), 8 instead of 16 when the 16-CTA clusters would
+// cover more than half the SMs; 1 for empty inputs. Pure (host).
+int msa_decode1_bf16_lean_splits(int64_t pairs, int cap, int sms);
 // dql-1 decode on a mixed grid (msa_decode1_mixed_kernel) where the split grid (msa_decode_splits'
 // count, `splits`) has one CTA a (request, KV head) pair and would leave some SMs a CTA more than
 // others: whole rounds of one pair an SM, the remaining pairs in `pieces` pieces each, when that

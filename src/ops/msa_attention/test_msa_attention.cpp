@@ -16,6 +16,7 @@
 #include <numeric>
 
 #include "m3rt/msa_attention.h"
+#include "ops/msa_attention/msa_attention.h"
 #include "ops/msa_attention/msa_oracle.h"
 #include "test_util.h"
 
@@ -647,6 +648,23 @@ TEST(MsaArgs, BadDecodeArguments) {
        },
        {"seq_lens.strides"}},
   });
+}
+
+// The dql-1 bf16 split rule of GPUs with less DRAM bandwidth an SM than the H200 (the H100 sweep's
+// best counts, session 49): powers of two, at most one CTA an SM, 16-CTA clusters on at most half.
+TEST(MsaDecodeSplits, Bf16LeanRule) {
+  const struct {
+    int64_t pairs;
+    int cap, sms, want;
+  } cases[] = {
+      {4, 16, 132, 16}, {8, 16, 132, 8},  {12, 16, 132, 8}, {16, 16, 132, 8}, {24, 16, 132, 4},
+      {32, 16, 132, 4}, {40, 16, 132, 2}, {64, 16, 132, 2}, {66, 16, 132, 2}, {67, 16, 132, 1},
+      {80, 16, 132, 1}, {500, 16, 132, 1}, {4, 6, 132, 4},  {4, 1, 132, 1},  {2, 16, 132, 16},
+      {4, 16, 114, 8},  {0, 16, 132, 1},  {4, 0, 132, 1},  {4, 16, 0, 1},
+  };
+  for (const auto& c : cases)
+    EXPECT_EQ(msa_decode1_bf16_lean_splits(c.pairs, c.cap, c.sms), c.want)
+        << "pairs " << c.pairs << " cap " << c.cap << " sms " << c.sms;
 }
 
 TEST(MsaDecodeShapeErrors, ValidateAndConstructor) {

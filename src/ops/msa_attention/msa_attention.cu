@@ -438,7 +438,8 @@ int msa_decode_splits(int batch, int dql, int num_heads, int num_kv_heads, int t
   const int64_t chunks = 2 * int64_t(std::min(tg * topk, max_blocks));
   const int64_t cap = std::min<int64_t>(chunks, kMaxSplits);
   const bool d1 = use_decode1(dql);
-  const int64_t sms = detail::multiprocessor_count();
+  const detail::DeviceLimits dl = detail::device_limits();
+  const int64_t sms = dl.sms;
   const int64_t quarters = d1 ? (fp8 ? 9 : 6) : 0;  // the d1 target in quarter CTAs an SM
   int64_t splits = std::clamp<int64_t>(d1 ? (quarters * sms + 2 * pairs) / (4 * pairs) : sms / pairs, 1, cap);
   // bf16 pages: once the pairs alone give (almost) every SM a CTA, one split (no merge) beats
@@ -456,8 +457,7 @@ int msa_decode_splits(int batch, int dql, int num_heads, int num_kv_heads, int t
   // (batch 3-6 1.06x, 20-24 1.10x: one split is already DRAM-bound there, so a second adds only its
   // merge). The H200 keeps the rule above: the same sweep there (h200-s49-d1-split-sweep.txt) puts
   // it within 2.6% of the best at every batch, and this one up to 1.21x off (batch 10).
-  if (d1 && !fp8 && detail::device_limits().dram_bytes_per_s > 0 &&
-      detail::device_limits().dram_bytes_per_s < kD1LeanDramPerSm * double(sms))
+  if (d1 && !fp8 && dl.dram_bytes_per_s > 0 && dl.dram_bytes_per_s < kD1LeanDramPerSm * double(sms))
     splits = msa_decode1_bf16_lean_splits(pairs, int(cap), int(sms));
   // e4m3 grids that two 4-warp groups a CTA take (d1_two_groups): unsplit at 3/4 to one pair an SM,
   // else at two splits at 3/8 to 1/2 (batch 13-16 at Hkv 4 on 132 SMs: 4-5 splits by the rule).

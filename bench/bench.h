@@ -86,6 +86,9 @@ inline constexpr const char* kContiguousReadNote =
 // A bound measured beside `call` in the same run (a read floor): `call`'s row with `suffix` added
 // to its variant, timed at `us` over the same bytes, the ratio floor / call, and `note`.
 BenchRow floor_row(const BenchRow& call, const char* suffix, double us, const char* note, const BenchEnv& env);
+// `call`'s row timed again at `us` with enable_pdl (back-to-back calls in the graph, each a
+// programmatic dependent of the one before): variant + " pdl", ratio "vs without pdl".
+BenchRow pdl_row(const BenchRow& call, double us, const BenchEnv& env);
 
 std::vector<BenchRow> bench_dspark_context_kv(const BenchEnv& env);
 std::vector<BenchRow> bench_qknorm_rope_kv_insert(const BenchEnv& env);

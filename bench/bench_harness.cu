@@ -246,6 +246,12 @@ BenchRow floor_row(const BenchRow& call, const char* suffix, double us, const ch
   return f;
 }
 
+BenchRow pdl_row(const BenchRow& call, double us, const BenchEnv& env) {
+  BenchRow q = floor_row(call, " pdl", us, "back-to-back calls with enable_pdl", env);
+  q.ratios = {{"vs without pdl", call.us / us}};
+  return q;
+}
+
 int sets_beyond_l2(double bytes_per_set, int max_sets) {
   int l2 = 0;
   M3RT_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));

@@ -320,19 +320,24 @@ struct GraphCase {
     for (auto& c : caches) c.fill_bytes(0xFF);
     qk_cache.fill_bytes(0xFF);
   }
-  void run(DsparkContextKvWriter& writer, cudaStream_t s) {
+  void write_kv(DsparkContextKvWriter& writer, cudaStream_t s, bool pdl = false) {
     writer({.all_kv = all_kv, .k_norm_weight = w, .eps = 1e-6f, .positions = positions,
-            .cos_sin_cache = table, .rotary_dim = rot, .slot_mapping = slots}, s);
-    qknorm_rope_kv_insert({.qkv = qkv, .q_norm_weight = qw, .k_norm_weight = kw, .cos_sin_cache = table,
-                           .positions = qpos, .num_heads = nq, .num_kv_heads = nkv, .rotary_dim = rot,
-                           .eps = 1e-6f, .slot_mapping = qslots, .kv_cache = qk_cache,
+            .cos_sin_cache = table, .rotary_dim = rot, .slot_mapping = slots, .enable_pdl = pdl}, s);
+  }
+  // The QK insert on qkv (second = false) or qkv2, in place, with the layer-0 or -1 scales.
+  void insert_qk(bool second, cudaStream_t s, bool pdl = false) {
+    qknorm_rope_kv_insert({.qkv = second ? qkv2 : qkv, .q_norm_weight = qw, .k_norm_weight = kw,
+                           .cos_sin_cache = table, .positions = second ? qpos2 : qpos, .num_heads = nq,
+                           .num_kv_heads = nkv, .rotary_dim = rot, .eps = 1e-6f,
+                           .slot_mapping = second ? qslots2 : qslots, .kv_cache = qk_cache,
                            .kv_cache_dtype = fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto,
-                           .k_scale = ks[0], .v_scale = vs[0]}, s);
-    qknorm_rope_kv_insert({.qkv = qkv2, .q_norm_weight = qw, .k_norm_weight = kw, .cos_sin_cache = table,
-                           .positions = qpos2, .num_heads = nq, .num_kv_heads = nkv, .rotary_dim = rot,
-                           .eps = 1e-6f, .slot_mapping = qslots2, .kv_cache = qk_cache,
-                           .kv_cache_dtype = fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto,
-                           .k_scale = ks[1], .v_scale = vs[1]}, s);
+                           .k_scale = ks[second ? 1 : 0], .v_scale = vs[second ? 1 : 0], .enable_pdl = pdl},
+                          s);
+  }
+  void run(DsparkContextKvWriter& writer, cudaStream_t s) {
+    write_kv(writer, s);
+    insert_qk(false, s);
+    insert_qk(true, s);
   }
   std::vector<Tensor> snapshot() {
     std::vector<Tensor> out;
@@ -378,6 +383,87 @@ TEST_P(GpuGraph, ReplayAfterInPlaceChangesMatchesEagerBitwise) {
 
 INSTANTIATE_TEST_SUITE_P(CacheDtype, GpuGraph, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "fp8" : "bf16"; });
+
+// The producer a PDL-launched call depends on: it lets its dependents launch at once, then spins
+// (about 40 us) before writing their inputs, so a dependent that read before its
+// griddepcontrol.wait would see the stale ones.
+__global__ void late_copy_kernel(uint4* dst, const uint4* src, int64_t n) {
+  kernels::launch_dependents();
+  if (threadIdx.x == 0) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < 80000) {
+    }
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}
+
+// A late copy of `src` into `dst` (same size, a multiple of 16 bytes) on `st`.
+void late_copy(const Tensor& dst, const Tensor& src, cudaStream_t st) {
+  ASSERT_EQ(dst.nbytes(), src.nbytes());
+  ASSERT_EQ(dst.nbytes() % 16, 0);
+  late_copy_kernel<<<1, 256, 0, st>>>(static_cast<uint4*>(dst.data()), static_cast<const uint4*>(src.data()),
+                                      dst.nbytes() / 16);
+}
+
+// enable_pdl on the writer and the QK insert: eager and captured in a graph, each call launched
+// with PDL right after a kernel that writes its inputs late — the writer after all_kv's copy, the
+// QK insert (quad kernel) after qkv's and then again on its own output in place (a dependent of a
+// dependent: each call lets the next launch at its start), the half-warp QK insert after qkv2's —
+// the caches and rows equal those of plain launches on the final inputs, bit for bit.
+TEST_P(GpuGraph, PdlLaunchesWaitForThePrecedingKernel) {
+  REQUIRE_GPU();
+  GraphCase c(GetParam());
+  DsparkContextKvWriter writer(c.layers);
+  using G = GraphCase;
+  const Device g = Device::cuda();
+  Tensor all_kv_next = Tensor::empty({G::n, G::L, 2, G::nkv, 128}, DType::kBFloat16, g);
+  Tensor qkv_next = Tensor::empty({G::T, (G::nq + 2 * G::nkv) * 128}, DType::kBFloat16, g);
+  Tensor qkv2_next = Tensor::empty({G::T2, (G::nq + 2 * G::nkv) * 128}, DType::kBFloat16, g);
+  auto calls = [&](cudaStream_t st, bool pdl) {  // with pdl: each after its inputs' late copy
+    if (pdl) late_copy(c.all_kv, all_kv_next, st);
+    c.write_kv(writer, st, pdl);
+    if (pdl) late_copy(c.qkv, qkv_next, st);
+    c.insert_qk(false, st, pdl);
+    c.insert_qk(false, st, pdl);
+    if (pdl) late_copy(c.qkv2, qkv2_next, st);
+    c.insert_qk(true, st, pdl);
+  };
+  c.refill();
+  CapturedGraph graph([&](cudaStream_t st) { calls(st, true); });
+  cudaStream_t st = graph.stream;
+  auto reset_outputs = [&] {
+    for (auto& cache : c.caches) cache.fill_bytes(0xFF);
+    c.qk_cache.fill_bytes(0xFF);
+  };
+  for (int round = 0; round < 3; ++round) {
+    c.refill();
+    const Tensor all_kv_in = c.all_kv.to(Device::cpu()), qkv_in = c.qkv.to(Device::cpu()),
+                 qkv2_in = c.qkv2.to(Device::cpu());
+    settle();
+    calls(st, false);  // the reference: plain launches on the final inputs
+    CUDA_OK(cudaStreamSynchronize(st));
+    const auto want = c.snapshot();
+    EXPECT_FALSE(same_bytes(want[want.size() - 2], qkv_in)) << "round " << round;
+    for (int mode = 0; mode < 2; ++mode) {  // eager, graph
+      upload(all_kv_next, all_kv_in);
+      upload(qkv_next, qkv_in);
+      upload(qkv2_next, qkv2_in);
+      c.all_kv.fill_bytes(0);  // stale inputs: zeros
+      c.qkv.fill_bytes(0);
+      c.qkv2.fill_bytes(0);
+      reset_outputs();
+      settle();
+      if (mode == 0) calls(st, true);
+      else CUDA_OK(cudaGraphLaunch(graph.exec, st));
+      CUDA_OK(cudaStreamSynchronize(st));
+      const auto got = c.snapshot();
+      for (size_t i = 0; i < want.size(); ++i)
+        EXPECT_TRUE(same_bytes(want[i], got[i]))
+            << (mode ? "graph" : "eager") << " buffer " << i << ", round " << round;
+    }
+  }
+}
 
 // The QK insert on the GPU does not write a token whose position lies outside the RoPE table (the
 // CPU path throws instead): its qkv row and its cache rows stay as they were, and every other token
@@ -812,20 +898,6 @@ TEST_P(GpuMsaGraph, ReplayAfterInPlaceChangesMatchesEagerBitwise) {
   }
 }
 
-// The producer a PDL-launched call depends on: it lets its dependents launch at once, then spins
-// (about 40 us) before writing their inputs, so a dependent that read before its
-// griddepcontrol.wait would see the stale ones.
-__global__ void late_copy_kernel(uint4* dst, const uint4* src, int64_t n) {
-  kernels::launch_dependents();
-  if (threadIdx.x == 0) {
-    const long long t0 = clock64();
-    while (clock64() - t0 < 80000) {
-    }
-  }
-  __syncthreads();
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
-}
-
 // enable_pdl: eager and captured in a graph, right after a kernel that writes the call's queries
 // and top-k lists late, the outputs equal those of a plain launch on the final inputs, bit for bit.
 TEST_P(GpuMsaGraph, PdlLaunchWaitsForThePrecedingKernel) {
@@ -833,13 +905,9 @@ TEST_P(GpuMsaGraph, PdlLaunchWaitsForThePrecedingKernel) {
   MsaDecodeCase c(std::get<0>(GetParam()), std::get<1>(GetParam()), std::get<2>(GetParam()));
   Tensor q_next = Tensor::empty({c.T, c.Hq, 128}, DType::kBFloat16, c.gd);
   Tensor topk_next = Tensor::empty({c.T, c.Hkv, c.K}, DType::kInt32, c.gd);
-  ASSERT_EQ(q_next.nbytes() % 16, 0);
-  ASSERT_EQ(topk_next.nbytes() % 16, 0);
   auto chain = [&](cudaStream_t st) {  // the producer, then the call launched with PDL
-    late_copy_kernel<<<1, 256, 0, st>>>(static_cast<uint4*>(c.q.data()), static_cast<const uint4*>(q_next.data()),
-                                        q_next.nbytes() / 16);
-    late_copy_kernel<<<1, 256, 0, st>>>(static_cast<uint4*>(c.topk.data()),
-                                        static_cast<const uint4*>(topk_next.data()), topk_next.nbytes() / 16);
+    late_copy(c.q, q_next, st);
+    late_copy(c.topk, topk_next, st);
     c.run(st, true);
   };
   cudaStream_t st = nullptr;

@@ -119,6 +119,12 @@ struct QknormRopeKvInsertArgs {
   TensorView index_slot_mapping;    // [T] int64, the index cache's own slots
   TensorView index_cache;           // [num_blocks, 128, 128] bf16 or uint8 (fp8), contiguous
   KvCacheDtype index_cache_dtype = KvCacheDtype::kAuto;  // auto/bfloat16 or fp8/fp8_e4m3
+  // Hopper: launch as a programmatic dependent of the kernel before it on the stream (PDL), e.g.
+  // the qkv projection: the CTAs are scheduled and start while that kernel finishes, and read
+  // nothing until it has completed (griddepcontrol.wait first); the grid is one wave, so it then
+  // lets the next kernel do the same at once. Ignored on the CPU, on other GPUs and in builds
+  // without sm_90a code. Graph capture keeps it (programmatic edges).
+  bool enable_pdl = false;
 };
 void qknorm_rope_kv_insert(const QknormRopeKvInsertArgs& args, stream_t stream = nullptr);
 
@@ -146,6 +152,9 @@ struct DsparkContextKvArgs {
   TensorView cos_sin_cache;  // [max_pos, rotary_dim] bf16, contiguous
   int rotary_dim = 0;        // 16, 32 or 64; must equal cos_sin_cache.shape[1]
   TensorView slot_mapping;   // [num_ctx] int64, shared by every layer
+  // Hopper: launch as a programmatic dependent of the kernel before it on the stream (PDL), e.g.
+  // the K/V projection, as QknormRopeKvInsertArgs::enable_pdl. Ignored on the CPU and other GPUs.
+  bool enable_pdl = false;
 };
 
 // The kernel rotates the leading 16, 32 or 64 dims of a 128-dim head.

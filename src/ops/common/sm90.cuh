@@ -116,6 +116,20 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
+// Host: one checked launch of kernel(p) with static shared memory only: as a programmatic dependent
+// (cudaLaunchKernelEx) when `pdl` and the Hopper paths run, else a plain launch. The kernel then
+// calls grid_dependency_wait before its first global read (a no-op for a plain launch).
+template <typename Params>
+void launch_pdl_or_plain(void (*kernel)(Params), dim3 grid, int threads, const Params& p, bool pdl,
+                         cudaStream_t stream, const char* name) {
+  if (pdl && hopper_paths_run()) {
+    const detail::LaunchEx ex(grid, dim3(unsigned(threads)), 0, stream, 1, true);
+    M3RT_CUDA_CHECK(cudaLaunchKernelEx(&ex.lc, kernel, p));
+  } else {
+    kernel<<<grid, threads, 0, stream>>>(p);
+  }
+  M3RT_LAUNCH_CHECK(stream, name);
+}
 // Generic-proxy shared-memory writes (cp.async, st.shared) ordered before async-proxy reads (wgmma).
 [[maybe_unused]] __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");

@@ -5,7 +5,8 @@
 // Bytes per call (the floor): all_kv read (n*L*2*nkv*128*2) + caches written (n*L*2*nkv*128 * 2 or
 // 1) + positions and slots (n*16). Inputs rotate over sets larger than 3x L2; each set writes its
 // own slots, laid out as an engine's: consecutive tokens fill a block, blocks in shuffled order.
-// Times are per call inside a CUDA graph of 20 calls (median of 25 replays).
+// Times are per call inside a CUDA graph of 20 calls (median of 25 replays); each row is timed again
+// with enable_pdl (" pdl": every call a programmatic dependent of the one before).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -59,10 +60,10 @@ std::vector<BenchRow> bench_dspark_context_kv(const BenchEnv& env) {
         layers.push_back({caches.back(), kd, ks.back(), vs.back()});
       }
       DsparkContextKvWriter writer(layers);
-      auto args = [&](int s) {
+      auto args = [&](int s, bool pdl = false) {
         return DsparkContextKvArgs{.all_kv = kv[s], .k_norm_weight = w, .eps = eps,
                                    .positions = pos[s], .cos_sin_cache = table, .rotary_dim = rot,
-                                   .slot_mapping = slots[s]};
+                                   .slot_mapping = slots[s], .enable_pdl = pdl};
       };
       const double fused_us = time_us([&](int s, CUstream_st* st) { writer(args(s), st); }, sets, true, env);
       const double eager_us = time_us([&](int s, CUstream_st* st) { writer(args(s), st); }, sets, false, env);
@@ -101,6 +102,9 @@ std::vector<BenchRow> bench_dspark_context_kv(const BenchEnv& env) {
       std::snprintf(note, sizeof(note), "unfused %.2f us; eager %.2f us; %d sets", unfused_us, eager_us, sets);
       r.note = note + host_cost_note([&](int s, CUstream_st* st) { writer(args(s), st); }, sets, 64);
       rows.push_back(r);
+      // The same calls as programmatic dependents of each other (enable_pdl).
+      const double pdl_us = time_us([&](int s, CUstream_st* st) { writer(args(s, true), st); }, sets, true, env);
+      rows.push_back(pdl_row(r, pdl_us, env));
     }
   }
   return rows;

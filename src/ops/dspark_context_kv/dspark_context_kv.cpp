@@ -163,6 +163,7 @@ void DsparkContextKvWriter::operator()(const DsparkContextKvArgs& a, stream_t st
   p.eps = a.eps;
   p.rotary_dim = a.rotary_dim;
   p.fp8 = kv_cache_is_fp8(kv_cache_dtype());
+  p.pdl = a.enable_pdl;
   run_on_device(kOp, dev, p, dspark_context_kv_ref, M3RT_LAUNCHER(dspark_context_kv_launch), stream);
 }
 

@@ -18,6 +18,7 @@
 #include "core/cuda_check.h"
 #include "core/validate.h"
 #include "ops/common/head_math.cuh"
+#include "ops/common/sm90.cuh"
 #include "ops/dspark_context_kv/dspark_context_kv.h"
 
 namespace m3rt {
@@ -42,6 +43,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     dspark_context_kv_kernel(const __grid_constant__ DsparkContextKvParams p) {
   using namespace kernels;
   __shared__ Stage stages[kStages];  // 8.25 KB each
+  grid_dependency_wait();  // launched with PDL (p.pdl): nothing is read before this
+  if (p.pdl) launch_dependents();  // one wave: the next grid's CTAs take the SMs this one leaves
   // blockIdx.x: one (layer, kv head) pair, fastest, so the blocks running together read whole
   // all_kv rows; blockIdx.y: the first of the runs of 16 tokens this block walks (stride
   // gridDim.y). Token indices are 32-bit (the launcher checks the sizes); the prefetch walks
@@ -146,6 +149,8 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
   using namespace kernels;
   constexpr int kElemBytes = kFp8 ? 1 : 2;
   __shared__ QuadStage stages[kStages][kQuadWarps];  // 3 x 2 x 4128 bytes
+  grid_dependency_wait();  // as dspark_context_kv_kernel's
+  if (p.pdl) launch_dependents();
   // 1 + w of the block's 4 pairs' layers in fp32, as lane q of a quad reads it: [pair][q][k][8].
   __shared__ float4 w1_table[kPairsPerWarp][kQuadLanes][kQuadChunks][2];
   const int nkv = p.num_kv_heads, pairs = p.num_layers * nkv, num_ctx = int(p.num_ctx);
@@ -279,15 +284,15 @@ void launch(const DsparkContextKvParams& p, cudaStream_t stream) {
       const dim3 grid = detail::one_wave_grid((pairs + kPairsPerWarp - 1) / kPairsPerWarp,
                                               (p.num_ctx + kQuadWarps * 2 - 1) / (kQuadWarps * 2),
                                               int64_t(detail::multiprocessor_count()) * kQuadBlocksPerSm);
-      dspark_context_kv_quad_kernel<kRotaryDim, kFp8><<<grid, kQuadThreads, 0, stream>>>(p);
-      M3RT_LAUNCH_CHECK(stream, "dspark_context_kv_quad_kernel");
+      kernels::launch_pdl_or_plain(dspark_context_kv_quad_kernel<kRotaryDim, kFp8>, grid, kQuadThreads, p, p.pdl,
+                                   stream, "dspark_context_kv_quad_kernel");
       return;
     }
   }
   const dim3 grid = detail::one_wave_grid(pairs, (p.num_ctx + kTokensPerRun - 1) / kTokensPerRun,
                                           int64_t(detail::multiprocessor_count()) * kMinBlocksPerSm);
-  dspark_context_kv_kernel<kRotaryDim, kFp8><<<grid, kThreads, 0, stream>>>(p);
-  M3RT_LAUNCH_CHECK(stream, "dspark_context_kv_kernel");
+  kernels::launch_pdl_or_plain(dspark_context_kv_kernel<kRotaryDim, kFp8>, grid, kThreads, p, p.pdl, stream,
+                               "dspark_context_kv_kernel");
 }
 
 }  // namespace

@@ -31,6 +31,7 @@ struct DsparkContextKvParams {
   float eps;
   int rotary_dim;                 // 16, 32, 64
   bool fp8;
+  bool pdl;                       // launch as a programmatic dependent (enable_pdl; Hopper only)
 };
 
 // CPU reference: the spec's unfused math, per (token, layer, head), in plain fp32.

@@ -11,7 +11,8 @@
 // (T*nkv*256 * 2 or 1), positions and slots (T*16); sparse rows add index_q_out written
 // (T*Hidx*128 * 2 or 1), index_k written back (T*128*2), the index cache rows written (T*128 * 2
 // or 1) and index slots (T*8). Inputs rotate over sets larger than 3x L2. Times are per call inside
-// a 20-call graph.
+// a 20-call graph. The dense rows are timed again with enable_pdl (" pdl": each call launched as a
+// programmatic dependent of the one before it, as it would follow the qkv projection).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -99,28 +100,32 @@ std::vector<BenchRow> bench_qknorm_rope_kv_insert(const BenchEnv& env) {
       index_cache = Tensor::empty({index_idx.num_blocks, 128, 128}, var.fp8 ? DType::kUInt8 : DType::kBFloat16,
                                   Device::cuda());
     }
-    auto fused = [&](int s, CUstream_st* st) {
-      QknormRopeKvInsertArgs a{.qkv = qkv[s], .q_norm_weight = qw, .k_norm_weight = kw,
-                               .cos_sin_cache = table, .positions = pos[s], .num_heads = nq,
-                               .num_kv_heads = nkv, .rotary_dim = rot, .eps = eps,
-                               .slot_mapping = slots[s], .kv_cache = cache, .kv_cache_dtype = kd,
-                               .k_scale = ksd, .v_scale = vsd};
-      if (var.q_out) a.q_out = q_out[s];
-      if (var.fp8) {  // q only in fp8 (for an fp8 attention kernel); k still back in place
-        a.q_fp8_out = qf8[s];
-        a.q_fp8_scale = 0.5f;
-      }
-      if (var.sparse) {  // index_q only to index_q_out; index cache bf16 or fp8 like the main one
-        a.num_index_heads = h_idx;
-        a.index_q_norm_weight = iqw;
-        a.index_k_norm_weight = ikw;
-        a.index_q_out = iq_out[s];
-        a.index_slot_mapping = index_idx.slots[s];
-        a.index_cache = index_cache;
-        a.index_cache_dtype = kd;
-      }
-      qknorm_rope_kv_insert(a, st);
+    auto fused_with = [&](bool pdl) {
+      return [&, pdl](int s, CUstream_st* st) {
+        QknormRopeKvInsertArgs a{.qkv = qkv[s], .q_norm_weight = qw, .k_norm_weight = kw,
+                                 .cos_sin_cache = table, .positions = pos[s], .num_heads = nq,
+                                 .num_kv_heads = nkv, .rotary_dim = rot, .eps = eps,
+                                 .slot_mapping = slots[s], .kv_cache = cache, .kv_cache_dtype = kd,
+                                 .k_scale = ksd, .v_scale = vsd};
+        if (var.q_out) a.q_out = q_out[s];
+        if (var.fp8) {  // q only in fp8 (for an fp8 attention kernel); k still back in place
+          a.q_fp8_out = qf8[s];
+          a.q_fp8_scale = 0.5f;
+        }
+        if (var.sparse) {  // index_q only to index_q_out; index cache bf16 or fp8 like the main one
+          a.num_index_heads = h_idx;
+          a.index_q_norm_weight = iqw;
+          a.index_k_norm_weight = ikw;
+          a.index_q_out = iq_out[s];
+          a.index_slot_mapping = index_idx.slots[s];
+          a.index_cache = index_cache;
+          a.index_cache_dtype = kd;
+        }
+        a.enable_pdl = pdl;
+        qknorm_rope_kv_insert(a, st);
+      };
     };
+    const auto fused = fused_with(false);
     const double fused_us = time_us(fused, sets, true, env);
     const double eager_us = time_us(fused, sets, false, env);
     auto heads = [&](const Tensor& x, int first, int count) {
@@ -160,6 +165,8 @@ std::vector<BenchRow> bench_qknorm_rope_kv_insert(const BenchEnv& env) {
     }
     r.note = note + host_cost_note(fused, sets, 64);
     rows.push_back(r);
+    // The dense calls again as programmatic dependents of each other (enable_pdl).
+    if (!var.sparse) rows.push_back(pdl_row(r, time_us(fused_with(true), sets, true, env), env));
   }
   return rows;
 }

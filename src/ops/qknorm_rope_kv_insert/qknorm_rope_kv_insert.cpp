@@ -163,6 +163,7 @@ void qknorm_rope_kv_insert(const QknormRopeKvInsertArgs& a, stream_t stream) {
       p.v_scale = a.v_scale.ptr<const float>();
     }
   }
+  p.pdl = a.enable_pdl;
   p.num_index_heads = nidx;
   if (sparse) {
     p.index_q_norm_weight = a.index_q_norm_weight.ptr<const uint16_t>();

@@ -32,6 +32,7 @@
 #include "core/cuda_check.h"
 #include "core/validate.h"
 #include "ops/common/head_math.cuh"
+#include "ops/common/sm90.cuh"
 #include "ops/qknorm_rope_kv_insert/qknorm_rope_kv_insert.h"
 
 namespace m3rt {
@@ -144,6 +145,8 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
   constexpr bool kHasInsert = kInsert != QkvInsertMode::kNone;
   constexpr bool kFp8 = kInsert == QkvInsertMode::kFp8;
   constexpr int kCacheElemBytes = kFp8 ? 1 : 2;
+  grid_dependency_wait();  // launched with PDL (p.pdl): nothing is read before this
+  if (p.pdl) launch_dependents();  // one wave: the next grid's CTAs take the SMs this one leaves
   __shared__ QuadWarpStage stages[kStages][kQuadWarps];  // 3 x 4 x 2080 bytes
   // 1 + w of each normed kind in fp32, as lane q of a quad reads it: [kind][q][k][8] (dim 8 (q + 4k) + i).
   __shared__ float4 w1_table[kNormKinds][kQuadLanes][kQuadChunks][2];
@@ -282,6 +285,8 @@ __global__ void __launch_bounds__(kHalfThreads, half_blocks_per_sm(kInsert))
   constexpr bool kFp8 = kInsert == QkvInsertMode::kFp8;
   constexpr int kCacheElemBytes = kFp8 ? 1 : 2;
   __shared__ HalfWarpStage stages[kStages][kItemsPerHalfBlock];  // 3 x 8 x 544 bytes
+  grid_dependency_wait();  // as the quad kernel's
+  if (p.pdl) launch_dependents();
   const int nq = p.num_heads, nkv = p.num_kv_heads, nidx = p.num_index_heads;
   const RowItems counts = row_items(nq, nkv, kHasInsert, nidx);
   const int main_items = counts.main, items = counts.all;
@@ -400,15 +405,15 @@ void launch(const QknormRopeKvInsertParams& p, cudaStream_t stream) {
     const dim3 grid = detail::one_wave_grid((items + kItemsPerQuadWarp - 1) / kItemsPerQuadWarp,
                                             (T + kQuadWarps - 1) / kQuadWarps,
                                             int64_t(detail::multiprocessor_count()) * kQuadBlocksPerSm);
-    qknorm_rope_quad_kernel<kRotaryDim, kInsert><<<grid, kQuadThreads, 0, stream>>>(p);
-    M3RT_LAUNCH_CHECK(stream, "qknorm_rope_quad_kernel");
+    kernels::launch_pdl_or_plain(qknorm_rope_quad_kernel<kRotaryDim, kInsert>, grid, kQuadThreads, p, p.pdl, stream,
+                                 "qknorm_rope_quad_kernel");
   } else {
     // Enough blocks to fill the GPU once (each walks several steps), no more than there are steps.
     const dim3 grid = detail::one_wave_grid((items + kItemsPerHalfBlock - 1) / kItemsPerHalfBlock,
                                             (T + kTokensPerStep - 1) / kTokensPerStep,
                                             int64_t(detail::multiprocessor_count()) * half_blocks_per_sm(kInsert));
-    qknorm_rope_half_kernel<kRotaryDim, kInsert><<<grid, kHalfThreads, 0, stream>>>(p);
-    M3RT_LAUNCH_CHECK(stream, "qknorm_rope_half_kernel");
+    kernels::launch_pdl_or_plain(qknorm_rope_half_kernel<kRotaryDim, kInsert>, grid, kHalfThreads, p, p.pdl, stream,
+                                 "qknorm_rope_half_kernel");
   }
 }
 

@@ -45,6 +45,7 @@ struct QknormRopeKvInsertParams {
   void* index_cache;                    // [num_blocks * 128, 128] bf16, or e4m3 when index_fp8
   int64_t index_num_slots;              // num_blocks * 128
   bool index_fp8;                       // e4m3 index_q_out and index cache, unscaled (a runtime flag)
+  bool pdl;                             // launch as a programmatic dependent (enable_pdl; Hopper only)
 };
 
 void qknorm_rope_kv_insert_ref(const QknormRopeKvInsertParams& p);

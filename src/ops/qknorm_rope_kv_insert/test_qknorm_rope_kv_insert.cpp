@@ -68,6 +68,7 @@ TEST(QknormRopeKvInsertCpu, MatchesOracle) {
     if (c.q_fp8) a.q_fp8_out = q8, a.q_fp8_scale = c.q_scale;
     if (c.insert) a.kv_cache = cache, a.slot_mapping = slot_t, a.k_scale = ks, a.v_scale = vs;
     a.kv_cache_dtype = c.insert == 2 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kBFloat16;
+    a.enable_pdl = c.T % 2 == 1;  // a GPU launch option: the CPU path ignores it
     qknorm_rope_kv_insert(a);
 
     Mismatches mm;

@@ -97,6 +97,18 @@ TEST(LaunchGrid, OneWaveGridFillsTheGpuOnceAndClamps) {
   EXPECT_EQ(detail::one_wave_grid(1, 1 << 20, 1 << 20).y, 65535u);  // the grid's y limit
 }
 
+// Host only: the DRAM-bandwidth-an-SM test the MSA split rule and the writer's kernel choice share
+// (specification figures: H100 SXM 3.35 TB/s, H200 4.8 TB/s, 132 SMs each).
+TEST(LaunchGrid, LeanDramPerSmTellsTheH100FromTheH200) {
+  detail::DeviceLimits h100, h200, unknown;
+  h100.sms = h200.sms = unknown.sms = 132;
+  h100.dram_bytes_per_s = 3.35e12;  // 25.4 GB/s an SM
+  h200.dram_bytes_per_s = 4.8e12;   // 36.4
+  EXPECT_TRUE(h100.lean_dram_per_sm());
+  EXPECT_FALSE(h200.lean_dram_per_sm());
+  EXPECT_FALSE(unknown.lean_dram_per_sm());  // not reported: the H200's choices
+}
+
 TEST(Gpu, HostConversionsMatchDevice) {
   REQUIRE_GPU();
   // Every float bit pattern with the low 6 bits set by the stride (2^26 values), plus every float

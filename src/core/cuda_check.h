@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "core/scoped_env.h"
 #include "m3rt/error.h"
 
 namespace m3rt::detail {
@@ -40,7 +41,16 @@ struct DeviceLimits {
   // DRAM bandwidth by the device's specification (memory clock x bus width, double data rate),
   // bytes a second; 0 where the device does not report it.
   double dram_bytes_per_s = 0;
+  // Less DRAM bandwidth an SM than kLeanDramBytesPerSm by specification: the H100 SXM (25 GB/s an
+  // SM), not the H200 (36). Launchers whose best shape follows the bytes an SM must move pick by it
+  // (the MSA dql-1 bf16 split count, the context writer's e4m3 kernel); false when unknown.
+  bool lean_dram_per_sm() const;
 };
+// Between the H100 SXM's 25e9 and the H200's 36e9 DRAM bytes a second an SM.
+inline constexpr double kLeanDramBytesPerSm = 30e9;
+inline bool DeviceLimits::lean_dram_per_sm() const {
+  return dram_bytes_per_s > 0 && dram_bytes_per_s < kLeanDramBytesPerSm * double(sms);
+}
 DeviceLimits device_limits();
 
 // Multiprocessors of the current device: kernels that walk their work in a loop launch one wave,
@@ -65,22 +75,6 @@ void raise_smem_limit(const void* fn, int smem);
 // numeric override replaces a tuned value when set and non-empty.
 bool switched_off(const char* name);
 int env_int(const char* name, int fallback);
-// Sets environment variable `name` to `value` for a scope (benchmarks and tests switching a
-// launcher's path); unset when the scope ends, however it ends. value nullptr: no-op.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(value ? name : nullptr) {
-    if (name_) setenv(name_, value, 1);
-  }
-  ~ScopedEnv() {
-    if (name_) unsetenv(name_);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-};
 
 // cudaOccupancyMaxActiveBlocksPerMultiprocessor for kernel `fn` on the current device, cached per
 // (device, kernel, block size, dynamic shared memory): launchers that size one-wave grids ask on

@@ -29,8 +29,12 @@ std::vector<BenchRow> bench_dspark_context_kv(const BenchEnv& env) {
   fill_uniform_bf16(table.data(), table.numel(), 7, -1.f, 1.f);
   Tensor w = Tensor::empty({L, 128}, DType::kBFloat16, Device::cuda());
   fill_uniform_bf16(w.data(), w.numel(), 8, -0.5f, 0.5f);
-  const std::vector<int64_t> sizes = env.quick ? std::vector<int64_t>{7, 8192}
-                                               : std::vector<int64_t>{1, 7, 64, 512, 8192, 32768};
+  std::vector<int64_t> sizes = env.quick ? std::vector<int64_t>{7, 8192}
+                                         : std::vector<int64_t>{1, 7, 64, 512, 8192, 32768};
+  // M3RT_BENCH_WRITER_TOKENS (e.g. "8192,16384,32768"; investigation): only these num_ctx.
+  if (const std::vector<int> n_list = env_int_list("M3RT_BENCH_WRITER_TOKENS", 1, 1 << 20, "token counts");
+      !n_list.empty())
+    sizes.assign(n_list.begin(), n_list.end());
   for (bool fp8 : {false, true}) {
     for (int64_t n : sizes) {
       const double row_elems = double(n) * L * 2 * nkv * 128;

@@ -6,6 +6,7 @@
 
 #include "check/check_helpers.h"
 #include "check/check_util.h"
+#include "core/scoped_env.h"
 #include "m3rt/ops.h"
 
 namespace m3rt::detail {
@@ -18,6 +19,7 @@ struct WriterShape {
   bool fp8;
   int L, nkv, bs, rot;
   int64_t n;
+  bool force_quad = false;  // the GPU run takes the quad kernel whatever the size and the GPU
 };
 
 void check_writer_variant(CheckContext& c, const WriterShape& s) {
@@ -25,7 +27,7 @@ void check_writer_variant(CheckContext& c, const WriterShape& s) {
   const float eps = 1e-6f;
   c.variant = std::string(s.fp8 ? "fp8" : "bf16") + " L" + std::to_string(s.L) + " nkv" +
               std::to_string(s.nkv) + " bs" + std::to_string(s.bs) + " rot" + std::to_string(s.rot) +
-              " n" + std::to_string(s.n);
+              " n" + std::to_string(s.n) + (s.force_quad ? " quad" : "");
   Tensor all_kv = random_half({s.n, s.L, 2, s.nkv, 128}, DType::kBFloat16, c.rng, -3, 3);
   Tensor w = random_half({s.L, 128}, DType::kBFloat16, c.rng, -1, 1);
   std::vector<int64_t> pos(static_cast<size_t>(s.n));
@@ -54,6 +56,7 @@ void check_writer_variant(CheckContext& c, const WriterShape& s) {
     DsparkContextKvWriter writer(layers);
     Tensor kv = on(all_kv, dev), wd = on(w, dev), pd = on(positions, dev), sd = on(slots, dev),
            td = on(table, dev);
+    const ScopedEnv quad("M3RT_WRITER_QUAD_MIN", s.force_quad && dev.is_cuda() ? "1" : nullptr);
     writer({.all_kv = kv, .k_norm_weight = wd, .eps = eps, .positions = pd, .cos_sin_cache = td,
             .rotary_dim = s.rot, .slot_mapping = sd});
     std::vector<Tensor> out;
@@ -115,9 +118,14 @@ void check_dspark_context_kv_write(CheckContext& c) {
   check_writer_variant(c, {false, 1, 1, 16, 16, 300});
   check_writer_variant(c, {true, 2, 2, 64, 32, 290});
   check_writer_variant(c, {false, 3, 2, 64, 64, 301});
-  // fp8 from 16384 tokens runs the quad kernel: a full and a partial group of pairs, many steps.
+  // fp8 from 16384 tokens runs the quad kernel on GPUs with the H200's DRAM bandwidth an SM (the
+  // half-warp kernel on others): a full and a partial group of pairs, many steps; and the quad
+  // kernel forced on any GPU (M3RT_WRITER_QUAD_MIN), also at rotary 16 and 32.
   check_writer_variant(c, {true, 2, 2, 64, 64, 16400});
   check_writer_variant(c, {true, 1, 1, 16, 16, 16390});
+  check_writer_variant(c, {true, 2, 2, 64, 64, 4100, true});
+  check_writer_variant(c, {true, 3, 1, 16, 16, 1290, true});
+  check_writer_variant(c, {true, 1, 2, 128, 32, 777, true});
 }
 
 }  // namespace m3rt::detail

@@ -128,10 +128,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
 // kv head) pairs x 2 tokens; a block of 2 warps walks token steps of 4 (stride gridDim.y x 4)
 // through a 3-stage cp.async pipeline per warp (2 tokens x 4 pairs x [K | V] rows, 4 KB, stored with
 // the bank swizzle chunk ^ 4 (quad & 1)).
-// Used for fp8 caches from kQuadMinTokens tokens: on an H200 (same run) fp8 n = 32768 138.9 us
-// (85.2% of the copy ceiling) against the half-warp kernel's 151.5 us (78.4%), but n = 8192 41.8 vs
-// 40.7 us and bf16 slower at every size (n = 32768 192.6 vs 181.5 us: the half-warp kernel is at its
-// access pattern's ceiling already, docs/perf.md); 16384 lies between the measured sizes.
+// Used for fp8 caches from kQuadMinTokens tokens on GPUs with the H200's DRAM bandwidth an SM: on an
+// H200 (same run) fp8 n = 32768 138.9 us (85.2% of the copy ceiling) against the half-warp kernel's
+// 151.5 us (78.4%), but n = 8192 41.8 vs 40.7 us and bf16 slower at every size (n = 32768 192.6 vs
+// 181.5 us: the half-warp kernel is at its access pattern's ceiling already, docs/perf.md); 16384
+// lies between the measured sizes. Not on GPUs with less (DeviceLimits::lean_dram_per_sm), where
+// the half-warp kernel moves the fp8 bytes at the pattern's ceiling too: on an H100 80GB HBM3 it ran
+// n = 16384 / 24576 / 32768 / 65536 1.14 / 1.11 / 1.08 / 1.045x the quad kernel (89-90% of that
+// GPU's ceiling against 79-87%; session 50, two rounds, bench/results/h100-s50-writer-quad-min.txt).
 constexpr int64_t kQuadMinTokens = 16384;
 constexpr int kQuadThreads = 64;
 constexpr int kQuadWarps = kQuadThreads / 32;
@@ -280,7 +284,10 @@ void launch(const DsparkContextKvParams& p, cudaStream_t stream) {
   // computing the current), but no more than there are runs.
   const int pairs = p.num_layers * p.num_kv_heads;
   if constexpr (kFp8) {  // bf16 caches never take the quad kernel (no instance is built for them)
-    if (p.num_ctx >= kQuadMinTokens) {
+    // M3RT_WRITER_QUAD_MIN (investigation): the quad kernel from that many tokens on any GPU instead.
+    const int quad_min = detail::env_int("M3RT_WRITER_QUAD_MIN", 0);
+    if (quad_min > 0 ? p.num_ctx >= quad_min
+                     : p.num_ctx >= kQuadMinTokens && !detail::device_limits().lean_dram_per_sm()) {
       const dim3 grid = detail::one_wave_grid((pairs + kPairsPerWarp - 1) / kPairsPerWarp,
                                               (p.num_ctx + kQuadWarps * 2 - 1) / (kQuadWarps * 2),
                                               int64_t(detail::multiprocessor_count()) * kQuadBlocksPerSm);

@@ -274,9 +274,6 @@ bool d1_bf16_three_stages(int64_t ctas, int splits) {
 // SM, and not in clusters of 8 or with one CTA an SM (session 27, docs/perf.md): the tool cannot
 // vouch for the form there.
 constexpr int kD1TmaMaxSplits = 8;
-// DRAM bytes a second an SM (by specification) below which bf16 dql-1 grids take
-// msa_decode1_bf16_lean_splits (msa_decode_splits): between the H100 SXM's 25e9 and the H200's 36e9.
-constexpr double kD1LeanDramPerSm = 30e9;
 bool d1_use_tma(bool fp8, int64_t ctas, int splits) {
   if (!fp8 || !kernels::hopper_paths_run()) return false;
   const int mode = env_int("M3RT_MSA_D1_TMA", 1);
@@ -449,15 +446,15 @@ int msa_decode_splits(int batch, int dql, int num_heads, int num_kv_heads, int t
   // (batch 32 at 1 split 36.1-36.2 us against 30.4-30.7 at 2; batch 48, session 9: 46.4 against
   // 38.1); two 4-warp groups a CTA do (below).
   if (d1 && !fp8 && 20 * pairs >= 19 * sms) splits = 1;
-  // bf16 on a GPU with less DRAM bandwidth an SM than the H200 (its specification below
-  // kD1LeanDramPerSm: the H100 SXM's 25 GB/s, not the H200's 36): at most one CTA an SM, in a
+  // bf16 on a GPU with less DRAM bandwidth an SM than the H200 (DeviceLimits::lean_dram_per_sm:
+  // the H100 SXM's 25 GB/s, not the H200's 36): at most one CTA an SM, in a
   // power-of-two cluster (msa_decode1_bf16_lean_splits). H100 80GB HBM3, 32K, every batch 1..64
   // against splits 1..16 (session 49, two rounds, bench/results/h100-s49-d1-split-sweep.txt):
   // within 2% of the best count at every batch, against up to 1.10x slower under the rule above
   // (batch 3-6 1.06x, 20-24 1.10x: one split is already DRAM-bound there, so a second adds only its
   // merge). The H200 keeps the rule above: the same sweep there (h200-s49-d1-split-sweep.txt) puts
   // it within 2.6% of the best at every batch, and this one up to 1.21x off (batch 10).
-  if (d1 && !fp8 && dl.dram_bytes_per_s > 0 && dl.dram_bytes_per_s < kD1LeanDramPerSm * double(sms))
+  if (d1 && !fp8 && dl.lean_dram_per_sm())
     splits = msa_decode1_bf16_lean_splits(pairs, int(cap), int(sms));
   // e4m3 grids that two 4-warp groups a CTA take (d1_two_groups): unsplit at 3/4 to one pair an SM,
   // else at two splits at 3/8 to 1/2 (batch 13-16 at Hkv 4 on 132 SMs: 4-5 splits by the rule).

@@ -419,12 +419,16 @@ void late_copy(const Tensor& dst, const Tensor& src, cudaStream_t st) {
 }
 
 // enable_pdl on the writer and the QK insert: eager and captured in a graph, each call launched
-// with PDL right after a kernel that writes its inputs late — the writer after all_kv's copy, the
-// QK insert (quad kernel) after qkv's and then again on its own output in place (a dependent of a
-// dependent: each call lets the next launch at its start), the half-warp QK insert after qkv2's —
-// the caches and rows equal those of plain launches on the final inputs, bit for bit.
+// with PDL right after a kernel that writes its inputs late — the writer (bf16: its half-warp
+// kernel; fp8: its quad kernel) after all_kv's copy, the QK insert (quad kernel) after qkv's and
+// then again on its own output in place (a dependent of a dependent: each call lets the next
+// launch at its start), the half-warp QK insert after qkv2's — the caches and rows equal those of
+// plain launches on the final inputs, bit for bit.
 TEST_P(GpuGraph, PdlLaunchesWaitForThePrecedingKernel) {
   REQUIRE_GPU();
+  // fp8: the writer's quad kernel (its size and the GPU would pick the half-warp one), so that both
+  // of its kernels' waits are exercised.
+  const detail::ScopedEnv quad("M3RT_WRITER_QUAD_MIN", GetParam() ? "1" : nullptr);
   GraphCase c(GetParam());
   DsparkContextKvWriter writer(c.layers);
   using G = GraphCase;

@@ -35,6 +35,7 @@
 
 #include "check/check_util.h"
 #include "core/cuda_check.h"
+#include "core/scoped_env.h"
 #include "m3rt/m3rt.h"
 #include "ops/common/head_math.cuh"
 #include "ops/common/sm90.cuh"
@@ -548,6 +549,88 @@ INSTANTIATE_TEST_SUITE_P(Tokens, GpuQkInsertPositions, ::testing::Values(int64_t
                            return std::string("T").append(std::to_string(info.param));
                          });
 
+
+// The QK insert's run-time claims (claim_counters): every call, eager back to back on one stream
+// (every other one launched with PDL, so a call starts while the one before it finishes) and
+// replayed from a graph, writes exactly what the static split writes, and leaves the counters zero
+// for the next. Param: -1 the library's rule (T = 2600: the last 15% claimed), 100 every token
+// claimed (M3RT_QK_CLAIM_PCT), at T = 2600 and at 300 tokens (a warp's static part then empty).
+class GpuQkClaims : public ::testing::TestWithParam<std::tuple<int, int64_t>> {};
+
+TEST_P(GpuQkClaims, EveryCallWritesWhatTheStaticSplitWritesAndLeavesTheCountersZero) {
+  REQUIRE_GPU();
+  const auto [pct, T] = GetParam();
+  constexpr int nq = 64, nkv = 4, rot = 64, bs = 128, kCalls = 4;
+  constexpr int64_t max_pos = 8192;
+  const int64_t nb = (T + bs - 1) / bs + 2, W = (nq + 2 * nkv) * 128;
+  const Device g = Device::cuda();
+  Rng rng(11);
+  const Tensor qkv_in = detail::random_half({T, W}, DType::kBFloat16, rng, -3, 3).to(g);
+  const Tensor qw = detail::random_half({128}, DType::kBFloat16, rng, -1, 1).to(g);
+  const Tensor kw = detail::random_half({128}, DType::kBFloat16, rng, -1, 1).to(g);
+  const Tensor table = detail::rope_table(max_pos, rot).to(g);
+  std::vector<int64_t> pos(static_cast<size_t>(T));
+  for (auto& x : pos) x = rng.integer(0, max_pos - 1);
+  const Tensor positions = detail::int64_vector(pos).to(g);
+  const Tensor slots = detail::int64_vector(detail::random_slots(T, nb * bs, 5, rng)).to(g);
+  Tensor counters = Tensor::empty({kClaimCounterInts}, DType::kInt32, g);
+  counters.fill_bytes(0);
+  // Call i's own qkv (a copy of the input) and cache (NaN), so that no call reads another's output.
+  std::vector<Tensor> qkv, cache;
+  for (int i = 0; i <= kCalls; ++i) {
+    qkv.push_back(Tensor::empty({T, W}, DType::kBFloat16, g));
+    cache.push_back(Tensor::empty({nb, nkv, bs, 256}, DType::kBFloat16, g));
+  }
+  auto reset = [&] {
+    for (int i = 0; i <= kCalls; ++i) {
+      CUDA_OK(cudaMemcpy(qkv[size_t(i)].data(), qkv_in.data(), size_t(qkv_in.nbytes()), cudaMemcpyDeviceToDevice));
+      cache[size_t(i)].fill_bytes(0xFF);
+    }
+    settle();
+  };
+  auto call = [&](int i, bool claims, bool pdl, cudaStream_t st) {
+    qknorm_rope_kv_insert({.qkv = qkv[size_t(i)], .q_norm_weight = qw, .k_norm_weight = kw, .cos_sin_cache = table,
+                           .positions = positions, .num_heads = nq, .num_kv_heads = nkv, .rotary_dim = rot,
+                           .eps = 1e-6f, .slot_mapping = slots, .kv_cache = cache[size_t(i)],
+                           .enable_pdl = pdl, .claim_counters = claims ? counters.view() : TensorView{}},
+                          st);
+  };
+  const std::string forced = std::to_string(pct);
+  const detail::ScopedEnv env("M3RT_QK_CLAIM_PCT", pct >= 0 ? forced.c_str() : nullptr);
+  reset();
+  call(kCalls, false, false, nullptr);  // the static split: the reference
+  settle();
+  const Tensor want_qkv = qkv[kCalls].to(Device::cpu()), want_cache = cache[kCalls].to(Device::cpu());
+  ASSERT_FALSE(same_bytes(qkv[kCalls], qkv_in));
+  Tensor zeros = Tensor::empty({kClaimCounterInts}, DType::kInt32, g);
+  zeros.fill_bytes(0);
+  CapturedGraph graph([&](cudaStream_t st) {
+    for (int i = 0; i < kCalls; ++i) call(i, true, i % 2 == 1, st);
+  });
+  for (int mode = 0; mode < 3; ++mode) {  // eager, graph, graph again
+    reset();
+    if (mode == 0) {
+      for (int i = 0; i < kCalls; ++i) call(i, true, i % 2 == 1, graph.stream);
+    } else {
+      CUDA_OK(cudaGraphLaunch(graph.exec, graph.stream));
+    }
+    CUDA_OK(cudaStreamSynchronize(graph.stream));
+    for (int i = 0; i < kCalls; ++i) {
+      EXPECT_TRUE(same_bytes(qkv[size_t(i)], want_qkv)) << "qkv of call " << i << ", mode " << mode;
+      EXPECT_TRUE(same_bytes(cache[size_t(i)], want_cache)) << "cache of call " << i << ", mode " << mode;
+    }
+    EXPECT_TRUE(same_bytes(counters, zeros)) << "counters after mode " << mode;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Claims, GpuQkClaims,
+                         ::testing::Values(std::tuple{-1, int64_t(2600)}, std::tuple{100, int64_t(2600)},
+                                           std::tuple{100, int64_t(300)}),
+                         [](const auto& info) {
+                           const int pct = std::get<0>(info.param);
+                           return std::string(pct < 0 ? "rule" : "all").append("_T").append(
+                               std::to_string(std::get<1>(info.param)));
+                         });
 
 // ------------------------------------------------------------------------------------------------
 // Lightning indexer under CUDA graphs. Sizes stay fixed (the capture's shape key); lengths, block

@@ -26,6 +26,9 @@ namespace m3rt {
 
 constexpr int kHeadDim = 128;  // every head in MiniMax-M3 and its drafter
 
+// The int32 counters of an op's run-time work claims (QknormRopeKvInsertArgs::claim_counters).
+constexpr int64_t kClaimCounterInts = 256;
+
 // What a KV cache holds. Engines name it with a string ("auto", "bfloat16", "fp8", "fp8_e4m3",
 // "fp8_e5m2", "nvfp4"); m3rt stores bf16 and fp8 e4m3 caches and refuses the rest.
 enum class KvCacheDtype : uint8_t { kAuto, kBFloat16, kFp8E4M3, kFp8E5M2, kNvfp4 };
@@ -125,6 +128,13 @@ struct QknormRopeKvInsertArgs {
   // lets the next kernel do the same at once. Ignored on the CPU, on other GPUs and in builds
   // without sm_90a code. Graph capture keeps it (programmatic edges).
   bool enable_pdl = false;
+  // Optional run-time claims (CUDA, bf16 cache or no insert, from 2048 tokens): int32
+  // [>= kClaimCounterInts] on qkv's device, all zero before the first call (e.g. cudaMemset once);
+  // every completed call leaves it zero again. With it, the warps of the one-wave kernel take the
+  // last tokens one at a time instead of in equal shares, so SMs that stream faster take more
+  // (H100: T = 4096-16384 1.03-1.09x; docs/perf.md). Calls that may run at the same time (other
+  // streams, graphs replayed concurrently) need buffers of their own. Ignored on the CPU.
+  TensorView claim_counters;
 };
 void qknorm_rope_kv_insert(const QknormRopeKvInsertArgs& args, stream_t stream = nullptr);
 

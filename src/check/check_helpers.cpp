@@ -7,6 +7,7 @@
 
 #include "check/compare.h"
 #include "m3rt/dtype.h"
+#include "m3rt/ops.h"
 
 namespace m3rt::detail {
 
@@ -14,6 +15,25 @@ Tensor poisoned(const std::vector<int64_t>& shape, DType dtype, Device device) {
   Tensor t = Tensor::empty(shape, dtype, device);
   t.fill_bytes(kPoison);
   return t;
+}
+
+CheckClaims::CheckClaims(int pct, const char* env_name, Device device)
+    : pct_(pct),
+      counters_(Tensor::empty({kClaimCounterInts}, DType::kInt32, device)),
+      value_(std::to_string(pct)),
+      env_(env_name, pct >= 0 && device.is_cuda() ? value_.c_str() : nullptr) {
+  counters_.fill_bytes(0);
+}
+
+std::string CheckClaims::suffix(int pct) {
+  return pct == -2 ? "" : pct < 0 ? " cl" : " cl" + std::to_string(pct);
+}
+
+void CheckClaims::add_rows(CheckContext& c) const {
+  if (pct_ == -2 || !counters_.device().is_cuda()) return;  // the CPU path ignores them
+  Tensor zeros = Tensor::empty({kClaimCounterInts}, DType::kInt32);
+  zeros.fill_bytes(0);
+  add_row(c, "claim_counters", counters_.to(Device::cpu()), zeros, DType::kInt32, 0);
 }
 
 void add_row(CheckContext& c, const std::string& output, const TensorView& actual,

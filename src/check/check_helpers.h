@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "check/check_cases.h"
+#include "core/scoped_env.h"
 #include "m3rt/tensor.h"
 
 namespace m3rt::detail {
@@ -29,6 +30,23 @@ void add_row(CheckContext& c, const std::string& output, const TensorView& actua
              const TensorView& expected, DType code_dtype, double tolerance, double abs_tol = 0);
 
 float b2f(uint16_t v);
+
+// A check row's claim counters (claim_counters of the paged-KV write ops): pct -2 none; -1 given,
+// the op's own rule; P >= 0 given and P% claimed (environment variable `env_name`, set for the
+// object's life on a GPU). A GPU row with counters checks after the call that they are zero again.
+class CheckClaims {
+ public:
+  CheckClaims(int pct, const char* env_name, Device device);
+  TensorView view() const { return pct_ == -2 ? TensorView{} : counters_.view(); }
+  static std::string suffix(int pct);  // the variant's " cl" / " cl30", empty without counters
+  void add_rows(CheckContext& c) const;  // "claim_counters": all zero (GPU rows with counters)
+
+ private:
+  int pct_;
+  Tensor counters_;
+  std::string value_;
+  ScopedEnv env_;
+};
 
 // fp64 partial NeoX RoPE of one head given in fp64, with the bf16 table row; rounded to bf16.
 void oracle_rope_f64(const double* n, const uint16_t* cs, int rotary_dim, uint16_t* out);

@@ -64,6 +64,18 @@ void require_device(const char* op, const char* name, const TensorView& v, Devic
   }
 }
 
+unsigned* claim_counters_arg(const char* op, const TensorView& v, Device device) {
+  if (!v.defined()) return nullptr;
+  require_dtype(op, "claim_counters", v, {DType::kInt32});
+  require_contiguous(op, "claim_counters", v);
+  require_device(op, "claim_counters", v, device);
+  if (v.numel() < kClaimCounterInts) {
+    throw_arg_error(op, "claim_counters", v.describe(),
+                    "must hold at least kClaimCounterInts = " + std::to_string(kClaimCounterInts) + " int32");
+  }
+  return v.ptr<unsigned>();
+}
+
 void require_scale(const char* op, const char* name, const TensorView& v, Device device) {
   require_defined(op, name, v);
   require_dtype(op, name, v, {DType::kFloat32});

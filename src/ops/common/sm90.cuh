@@ -116,19 +116,26 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
-// Host: one checked launch of kernel(p) with static shared memory only: as a programmatic dependent
-// (cudaLaunchKernelEx) when `pdl` and the Hopper paths run, else a plain launch. The kernel then
-// calls grid_dependency_wait before its first global read (a no-op for a plain launch).
+// Host: one checked launch of kernel(args...): through cudaLaunchKernelEx as clusters of cluster_z
+// CTAs along z and / or as a programmatic dependent (`pdl`: the kernel calls grid_dependency_wait
+// before its first global read), else a plain launch. Callers pass pdl only where the Hopper paths run.
+template <typename... KernelArgs, typename... Args>
+void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, unsigned threads, size_t smem, unsigned cluster_z,
+                   bool pdl, cudaStream_t stream, const char* name, const Args&... args) {
+  if (cluster_z > 1 || pdl) {
+    const detail::LaunchEx ex(grid, dim3(threads), smem, stream, cluster_z, pdl);
+    M3RT_CUDA_CHECK(cudaLaunchKernelEx(&ex.lc, kernel, args...));
+  } else {
+    kernel<<<grid, threads, smem, stream>>>(args...);
+  }
+  M3RT_LAUNCH_CHECK(stream, name);
+}
+// kernel(p) with static shared memory only, as a programmatic dependent when `pdl` and the Hopper
+// paths run (else plain: other GPUs and builds without sm_90a code ignore the option).
 template <typename Params>
 void launch_pdl_or_plain(void (*kernel)(Params), dim3 grid, int threads, const Params& p, bool pdl,
                          cudaStream_t stream, const char* name) {
-  if (pdl && hopper_paths_run()) {
-    const detail::LaunchEx ex(grid, dim3(unsigned(threads)), 0, stream, 1, true);
-    M3RT_CUDA_CHECK(cudaLaunchKernelEx(&ex.lc, kernel, p));
-  } else {
-    kernel<<<grid, threads, 0, stream>>>(p);
-  }
-  M3RT_LAUNCH_CHECK(stream, name);
+  launch_kernel(kernel, grid, unsigned(threads), 0, 1, pdl && hopper_paths_run(), stream, name, p);
 }
 // Generic-proxy shared-memory writes (cp.async, st.shared) ordered before async-proxy reads (wgmma).
 [[maybe_unused]] __device__ __forceinline__ void fence_proxy_async() {

@@ -1360,19 +1360,14 @@ void indexer_decode_launch(const IndexerParams& p, CUstream_st* stream) {
   const dim3 grid(unsigned(splits), unsigned(p.num_seqs), unsigned(groups));
   if (d.sm90) {
     auto sm90_kernel = p.fp8 ? indexer_decode_sm90_kernel<true> : indexer_decode_sm90_kernel<false>;
-    if (p.pdl) {
-      // PDL: the CTAs launch while the previous kernel finishes and wait for it before reading.
-      // A one-wave grid (every CTA resident at once) lets the next PDL grid launch as soon as all
-      // its CTAs run; with more waves, only at its end (waiting CTAs of the next grid would take
-      // the slots this grid's later CTAs need).
-      IndexerParams call = p;
-      call.pdl_trigger = int64_t(splits) * p.num_seqs * groups <= d.resident;
-      const detail::LaunchEx ex(grid, dim3(unsigned(kDecodeThreads)), size_t(smem), stream, 1, true);
-      M3RT_CUDA_CHECK(cudaLaunchKernelEx(&ex.lc, sm90_kernel, call, splits, groups));
-    } else {
-      sm90_kernel<<<grid, kDecodeThreads, smem, stream>>>(p, splits, groups);
-    }
-    M3RT_LAUNCH_CHECK(stream, "indexer_decode_sm90_kernel");
+    // PDL: the CTAs launch while the previous kernel finishes and wait for it before reading. A
+    // one-wave grid (every CTA resident at once) lets the next PDL grid launch as soon as all its
+    // CTAs run; with more waves, only at its end (waiting CTAs of the next grid would take the
+    // slots this grid's later CTAs need).
+    IndexerParams call = p;
+    call.pdl_trigger = p.pdl && int64_t(splits) * p.num_seqs * groups <= d.resident;
+    kernels::launch_kernel(sm90_kernel, grid, unsigned(kDecodeThreads), size_t(smem), 1, p.pdl, stream,
+                           "indexer_decode_sm90_kernel", call, splits, groups);
   } else {
     if (p.fp8)
       indexer_decode_kernel<true><<<grid, kDecodeThreads, 0, stream>>>(p, splits, groups);

@@ -101,17 +101,11 @@ void raise_smem_limit(std::initializer_list<KernelFn> fns, int smem) {
   for (KernelFn fn : fns) detail::raise_smem_limit(reinterpret_cast<const void*>(fn), smem);
 }
 
-// One launch of an MSA kernel: through cudaLaunchKernelEx as clusters of cluster_z CTAs along z
-// and / or as a programmatic dependent, else a plain launch.
+// One launch of an MSA kernel (kernels::launch_kernel): as clusters of cluster_z CTAs along z and /
+// or as a programmatic dependent, else a plain launch.
 void launch_msa(KernelFn fn, dim3 grid, unsigned threads, int smem, unsigned cluster_z, bool pdl, const MsaParams& p,
                 int stages, CUstream_st* stream, const char* name) {
-  if (cluster_z > 1 || pdl) {
-    const detail::LaunchEx ex(grid, dim3(threads), size_t(smem), stream, cluster_z, pdl);
-    M3RT_CUDA_CHECK(cudaLaunchKernelEx(&ex.lc, fn, p, stages));
-  } else {
-    fn<<<grid, threads, smem, stream>>>(p, stages);
-  }
-  M3RT_LAUNCH_CHECK(stream, name);
+  kernels::launch_kernel(fn, grid, threads, size_t(smem), cluster_z, pdl, stream, name, p, stages);
 }
 
 // The cache [num_cache_blocks, Hkv, 128, 256] as a tensor map {row element, key, KV head, page}

@@ -34,6 +34,9 @@ struct QkShape {
   float q_scale;
   int nidx = 0;            // sparse row: index_q heads (plus one index_k); 0: dense row
   bool index_fp8 = false;  // fp8 index cache, e4m3 index_q_out
+  // Claim counters (GPU): -2 none; -1 given, the library's rule; P >= 0 given, P% claimed
+  // (M3RT_QK_CLAIM_PCT). With counters the row also checks that the call left them zero.
+  int claim_pct = -2;
 };
 
 void check_qk_variant(CheckContext& c, const QkShape& s) {
@@ -50,7 +53,7 @@ void check_qk_variant(CheckContext& c, const QkShape& s) {
                                         : "bf16-cache") +
               idx + " nq" + std::to_string(s.nq) + " nkv" + std::to_string(s.nkv) + " rot" +
               std::to_string(s.rot) + " T" + std::to_string(s.T) + (s.q_out ? " +q_out" : "") +
-              (s.q_fp8 ? " +q_fp8" : "");
+              (s.q_fp8 ? " +q_fp8" : "") + CheckClaims::suffix(s.claim_pct);
   Tensor qkv = random_half({s.T, W}, DType::kBFloat16, c.rng, -4, 4);
   Tensor qw = random_half({128}, DType::kBFloat16, c.rng, -1, 1);
   Tensor kw = random_half({128}, DType::kBFloat16, c.rng, -1, 1);
@@ -115,9 +118,11 @@ void check_qk_variant(CheckContext& c, const QkShape& s) {
       a.index_cache = index_cache;
       a.index_cache_dtype = s.index_fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kBFloat16;
     }
+    const CheckClaims claims(s.claim_pct, "M3RT_QK_CLAIM_PCT", dev);
+    a.claim_counters = claims.view();
     qknorm_rope_kv_insert(a);
-    return Out{to_host(x), to_host(q_out), to_host(q_fp8), to_host(cache), to_host(index_q),
-               to_host(index_cache)};
+    if (dev == c.device) claims.add_rows(c);
+    return Out{to_host(x), to_host(q_out), to_host(q_fp8), to_host(cache), to_host(index_q), to_host(index_cache)};
   };
   Out got = run(c.device), want;
   if (c.device.is_cuda()) {
@@ -236,6 +241,14 @@ void check_qknorm_rope_kv_insert(CheckContext& c) {
   // (the rows above take 1-2 steps); in place and with q to q_out (the drafter's call).
   check_qk_variant(c, {64, 4, 64, 128, 900, true, false, false, false, 1.f});
   check_qk_variant(c, {64, 4, 64, 128, 900, true, false, true, false, 1.f});
+  // Run-time claims (claim_counters): the library's rule from 2048 tokens (bf16 cache; the fp8
+  // instance stays static and leaves the counters alone), and claims forced at fewer tokens: every
+  // token, 30% of a sparse row's, half of a row without insert.
+  check_qk_variant(c, {64, 4, 64, 128, 2600, true, false, false, false, 1.f, 0, false, -1});
+  check_qk_variant(c, {16, 4, 32, 16, 2100, true, true, true, true, 0.5f, 0, false, -1});
+  check_qk_variant(c, {64, 4, 64, 128, 900, true, false, true, false, 1.f, 0, false, 100});
+  check_qk_variant(c, {64, 4, 64, 128, 300, true, false, false, false, 1.f, 4, false, 30});
+  check_qk_variant(c, {8, 1, 16, 16, 270, false, false, false, false, 1.f, 1, false, 50});
 }
 
 }  // namespace m3rt::detail

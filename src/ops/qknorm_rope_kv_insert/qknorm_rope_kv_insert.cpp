@@ -117,6 +117,7 @@ void qknorm_rope_kv_insert(const QknormRopeKvInsertArgs& a, stream_t stream) {
         throw_arg_error(kOp, name, v->describe(), "given without num_index_heads > 0 (a dense row)");
     }
   }
+  unsigned* const claims = claim_counters_arg(kOp, a.claim_counters, dev);
   if (T == 0) return;
   if (dev.is_cuda()) {
     require_aligned16(kOp, "qkv", a.qkv);
@@ -164,6 +165,7 @@ void qknorm_rope_kv_insert(const QknormRopeKvInsertArgs& a, stream_t stream) {
     }
   }
   p.pdl = a.enable_pdl;
+  p.claims = claims;
   p.num_index_heads = nidx;
   if (sparse) {
     p.index_q_norm_weight = a.index_q_norm_weight.ptr<const uint16_t>();

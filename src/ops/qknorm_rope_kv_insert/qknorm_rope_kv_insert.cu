@@ -16,7 +16,9 @@
 //   dims a lane, the norm's and RoPE 64's pairings mostly inside a lane). Every lane runs the norm
 //   and RoPE (v and idle quads on their own values, never stored), so each warp shuffles with the
 //   full mask. One wave of blocks; each warp walks its tokens (stride gridDim.y x 4) through a
-//   3-stage cp.async pipeline of its own (the token's 8 rows, 2 KB, and indices).
+//   3-stage cp.async pipeline of its own (the token's 8 rows, 2 KB, and indices). With
+//   claim_counters (bf16 cache or none, from 2048 tokens) the last 15% of the tokens are claimed
+//   one at a time per grid column instead (claims.cuh): warps on faster SMs take more of them.
 // - half-warp kernel (fewer tokens). Grid: (runs of 8 head items, token pairs). A warp owns one
 //   head item of two tokens, a half-warp (16 lanes x 8 dims) per token; both halves run the same
 //   code path, so the warp shuffles with the full mask; a 3-stage cp.async pipeline per warp.
@@ -31,6 +33,8 @@
 
 #include "core/cuda_check.h"
 #include "core/validate.h"
+#include "m3rt/ops.h"
+#include "ops/common/claims.cuh"
 #include "ops/common/head_math.cuh"
 #include "ops/common/sm90.cuh"
 #include "ops/qknorm_rope_kv_insert/qknorm_rope_kv_insert.h"
@@ -138,7 +142,7 @@ struct QuadWarpStage {
   int64_t idx[4];  // position, slot, index slot
 };
 
-template <int kRotaryDim, QkvInsertMode kInsert>
+template <int kRotaryDim, QkvInsertMode kInsert, bool kClaims>
 __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
     qknorm_rope_quad_kernel(const __grid_constant__ QknormRopeKvInsertParams p) {
   using namespace kernels;
@@ -174,8 +178,11 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
   const int64_t* idx_src = lane == 0 ? p.positions : lane == 1 ? p.slots : p.index_slots;
   const bool copies_idx = lane == 0 || (lane == 1 && reads_slot) || (lane == 2 && reads_index_slot);
   const uint32_t idx_smem = smem_u32(&stages[0][warp].idx[lane < 3 ? lane : 0]);
-  int t_pref = int(blockIdx.y) * kQuadWarps + warp;  // the warp's token of the next copy
-  auto prefetch = [&](int stage) {
+  // The warp's tokens: by the static stride, then (kClaims) the last ones claimed at run time
+  // (claims.cuh). The launcher takes the kClaims instance only for calls that claim.
+  UnitPipe<kClaims> tokens(int(blockIdx.y) * kQuadWarps + warp, token_step, num_tokens, p.claims, int(blockIdx.x),
+                         p.claim_from);
+  auto prefetch = [&](int stage, int t_pref) {
     if (t_pref < num_tokens) {
       const uint16_t* row = p.qkv + uint64_t(uint32_t(t_pref)) * stride_t;
 #pragma unroll
@@ -189,10 +196,10 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
       if (copies_idx) cp_async_8(idx_smem + stage * sizeof(stages[0]), idx_src + t_pref);
     }
     cp_async_commit();  // an empty group past the end keeps the wait counts uniform
-    t_pref += token_step;
   };
-#pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) prefetch(i);  // before the table: the copies go out first
+  static_assert(kStages == 3, "the loop below holds two tokens ahead");
+  prefetch(0, tokens.first());  // before the table: the copies go out first
+  prefetch(1, tokens.second());
   for (int i = int(threadIdx.x); i < kNormKinds * 64; i += kQuadThreads) {  // 2 dims a thread
     const int kd = i / 64, d = (i % 64) * 2;
     const uint16_t* wk = kd == kItemQ ? p.q_norm_weight : kd == kItemK ? p.k_norm_weight
@@ -220,8 +227,9 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
   const uint32_t block_bytes = uint32_t(p.stride_cache_block) * kCacheElemBytes;
   const uint32_t offset_mask = (1u << p.block_size_log2) - 1;
   int cur = 0;
-  for (int t = int(blockIdx.y) * kQuadWarps + warp; t < num_tokens; t += token_step, cur = (cur + 1) % kStages) {
-    prefetch((cur + kStages - 1) % kStages);
+  for (; tokens.current() < num_tokens; tokens.advance(), cur = (cur + 1) % kStages) {
+    const int t = tokens.current();
+    prefetch((cur + kStages - 1) % kStages, tokens.next_copy());
     cp_async_wait<kStages - 1>();  // this token's copies have landed
     __syncwarp();
     const QuadWarpStage& st = stages[cur][warp];
@@ -267,6 +275,7 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
       }
     }
   }
+  tokens.finish(int(gridDim.x), gridDim.y * unsigned(kQuadWarps));
   cp_async_wait<0>();
 }
 
@@ -385,6 +394,26 @@ __global__ void __launch_bounds__(kHalfThreads, half_blocks_per_sm(kInsert))
   cp_async_wait<0>();
 }
 
+// The quad kernel's first claimed token (claims.cuh), T when it claims none: the last
+// kClaimPercent% of the tokens from kClaimMinTokens tokens, with the caller's counters, bf16 caches
+// or none and at most kClaimCounterInts / 2 grid columns. Not for fp8 caches: that instance spilled
+// with the claims' state (36-52 bytes) and ran T = 1792 0.92x (session 51). Calls that do not claim
+// run an instance without the claims' code (with it, at T = 448: 0.975x).
+// M3RT_QK_CLAIM_PCT=P (investigation) claims P% at any token count (0: none). On an H100 (session
+// 51, bench/results/h100-s51-qk-claims.txt) 15% ran T = 4096 / 8192 / 16384 1.03-1.05 / 1.06-1.08 /
+// 1.06-1.09x, T = 1792 and 2044 1.00-1.01x, and claims lost below (T = 1024 0.94-0.96x, T = 256
+// 0.67x: the warps then all reach the counters at once); 10, 20 and 25% gained less.
+constexpr int64_t kClaimMinTokens = 2048;
+constexpr int kClaimPercent = 15;
+int claim_from(const QknormRopeKvInsertParams& p, int64_t T, unsigned columns) {
+  if (p.claims == nullptr || p.insert == QkvInsertMode::kFp8 ||
+      kernels::claim_counters_needed(columns) > kClaimCounterInts)
+    return int(T);
+  const int forced = detail::env_int("M3RT_QK_CLAIM_PCT", -1);
+  const int pct = forced >= 0 ? std::min(forced, 100) : T >= kClaimMinTokens ? kClaimPercent : 0;
+  return int(T - T * pct / 100);
+}
+
 template <int kRotaryDim, QkvInsertMode kInsert>
 void launch(const QknormRopeKvInsertParams& p, cudaStream_t stream) {
   // The kernel indexes tokens, slots, positions, a qkv row and a cache block's bytes in 32 bits.
@@ -405,8 +434,17 @@ void launch(const QknormRopeKvInsertParams& p, cudaStream_t stream) {
     const dim3 grid = detail::one_wave_grid((items + kItemsPerQuadWarp - 1) / kItemsPerQuadWarp,
                                             (T + kQuadWarps - 1) / kQuadWarps,
                                             int64_t(detail::multiprocessor_count()) * kQuadBlocksPerSm);
-    kernels::launch_pdl_or_plain(qknorm_rope_quad_kernel<kRotaryDim, kInsert>, grid, kQuadThreads, p, p.pdl, stream,
-                                 "qknorm_rope_quad_kernel");
+    QknormRopeKvInsertParams pc = p;
+    pc.claim_from = claim_from(p, T, grid.x);
+    if constexpr (kInsert != QkvInsertMode::kFp8) {  // fp8: no claiming instance (claim_from is T)
+      if (pc.claim_from < T) {
+        return kernels::launch_pdl_or_plain(qknorm_rope_quad_kernel<kRotaryDim, kInsert, true>, grid, kQuadThreads,
+                                            pc, p.pdl, stream, "qknorm_rope_quad_kernel");
+      }
+    }
+    pc.claims = nullptr;
+    kernels::launch_pdl_or_plain(qknorm_rope_quad_kernel<kRotaryDim, kInsert, false>, grid, kQuadThreads, pc, p.pdl,
+                                 stream, "qknorm_rope_quad_kernel");
   } else {
     // Enough blocks to fill the GPU once (each walks several steps), no more than there are steps.
     const dim3 grid = detail::one_wave_grid((items + kItemsPerHalfBlock - 1) / kItemsPerHalfBlock,

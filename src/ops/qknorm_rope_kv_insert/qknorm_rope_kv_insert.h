@@ -46,6 +46,10 @@ struct QknormRopeKvInsertParams {
   int64_t index_num_slots;              // num_blocks * 128
   bool index_fp8;                       // e4m3 index_q_out and index cache, unscaled (a runtime flag)
   bool pdl;                             // launch as a programmatic dependent (enable_pdl; Hopper only)
+  // The quad kernel's run-time claims (ops/common/claims.cuh): kClaimCounterInts zeroed counters or
+  // nullptr (static split); the launcher sets claim_from, the first claimed token.
+  unsigned* claims;
+  int claim_from;
 };
 
 void qknorm_rope_kv_insert_ref(const QknormRopeKvInsertParams& p);

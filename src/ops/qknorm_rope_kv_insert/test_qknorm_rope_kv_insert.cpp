@@ -68,7 +68,9 @@ TEST(QknormRopeKvInsertCpu, MatchesOracle) {
     if (c.q_fp8) a.q_fp8_out = q8, a.q_fp8_scale = c.q_scale;
     if (c.insert) a.kv_cache = cache, a.slot_mapping = slot_t, a.k_scale = ks, a.v_scale = vs;
     a.kv_cache_dtype = c.insert == 2 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kBFloat16;
-    a.enable_pdl = c.T % 2 == 1;  // a GPU launch option: the CPU path ignores it
+    a.enable_pdl = c.T % 2 == 1;  // GPU launch options: the CPU path ignores them
+    Tensor claims = poisoned({kClaimCounterInts}, DType::kInt32);
+    if (c.T % 3 == 1) a.claim_counters = claims;
     qknorm_rope_kv_insert(a);
 
     Mismatches mm;
@@ -351,6 +353,10 @@ TEST(QknormRopeArgs, BadArguments) {
        {"kv_cache.shape = [2, 2, 16, 256]", "expected [*, 1, *, 256]"}},
       {"positions int32", [](C& c) { c.a.positions = c.make({3}, DType::kInt32); },
        {"positions.dtype = int32"}},
+      {"claim_counters int64", [](C& c) { c.a.claim_counters = c.make({256}, DType::kInt64); },
+       {"claim_counters.dtype = int64", "supported: int32"}},
+      {"claim_counters too few", [](C& c) { c.a.claim_counters = c.make({255}, DType::kInt32); },
+       {"claim_counters = int32[255] on cpu", "at least kClaimCounterInts = 256"}},
   };
   for (float s : {0.0f, -0.5f, NAN, INFINITY})
     cases.push_back({"q_fp8_scale", [s](C& c) { c.a.q_fp8_scale = s; },

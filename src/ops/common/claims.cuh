@@ -1,0 +1,120 @@
+// Run-time work claims for the one-wave streaming kernels (the QK insert's quad kernel; the context
+// writer's half-warp kernel ran 1.02x with them on bf16 and lost on fp8, session 51, not landed:
+// bench/results/s51-writer-claims.patch): a warp walks its units of work [first, claim_from) by a fixed stride, then
+// takes units of [claim_from, num) one at a time from its grid column's counter, so warps on SMs
+// that stream faster take more of the tail (a static equal split waits for the slowest SMs:
+// docs/perf.md, "Session 50"). Each claim is issued one unit ahead of its use (lane 0's atomic;
+// the value is waited for only where that unit's copies are issued), so its round trip overlaps
+// the copies and the math of the unit before. The column's last warp to finish returns both of
+// its counters to zero, so a buffer that starts at zero is zero again after every completed
+// launch (a dependent launch's griddepcontrol.wait sees that too).
+//
+// Counters: claims[column] (units taken past claim_from) and claims[columns + column] (the
+// column's warps that have finished), 32-bit.
+#pragma once
+
+#include <climits>
+#include <cstdint>
+
+namespace m3rt::kernels {
+
+// Counters a launch with `columns` grid columns needs; the public buffer holds kClaimCounterInts.
+constexpr int64_t claim_counters_needed(int64_t columns) { return 2 * columns; }
+
+// One warp's walk. Every member but `pending` is warp-uniform; next() and finish() are called by
+// every lane of the warp together (they shuffle with the full mask).
+struct WarpUnitWalk {
+  int next_static;    // the warp's next unit of the static part
+  int static_end;     // claim_from (num when not claiming)
+  int step;           // the static stride
+  int claim_from;
+  int num;            // units in all
+  unsigned* counter;  // &claims[column]; nullptr: static only
+  unsigned pending = 0;  // lane 0: the issued claim's value
+  bool issued = false, exhausted = false;
+
+  __device__ WarpUnitWalk(int first, int step_, int num_, unsigned* claims, int column, int claim_from_)
+      : next_static(first), step(step_), claim_from(claim_from_), num(num_),
+        counter(claims != nullptr && claim_from_ < num_ ? claims + column : nullptr) {
+    static_end = counter != nullptr ? claim_from : num;
+  }
+
+  __device__ __forceinline__ void issue() {
+    if ((threadIdx.x & 31) == 0) pending = atomicAdd(counter, 1u);
+    issued = true;
+  }
+
+  // The warp's next unit, INT_MAX when it has none left.
+  __device__ __forceinline__ int next() {
+    if (next_static < static_end) {
+      const int u = next_static;
+      next_static += step;
+      if (counter != nullptr && next_static >= static_end) issue();  // the next unit is a claim
+      return u;
+    }
+    if (counter == nullptr || exhausted) return INT_MAX;
+    if (!issued) issue();
+    const int u = claim_from + int(__shfl_sync(0xffffffffu, pending, 0));
+    issued = false;
+    if (u >= num) {
+      exhausted = true;
+      return INT_MAX;
+    }
+    issue();
+    return u;
+  }
+
+  // After the warp's last claim (next() returned INT_MAX): the column's last warp of `warps`
+  // resets the column's counters. `columns`: the grid's column count.
+  __device__ __forceinline__ void finish(int columns, unsigned warps) {
+    if (counter == nullptr || (threadIdx.x & 31) != 0) return;
+    __threadfence();  // this warp's claims are done before it counts itself finished
+    unsigned* done = counter + columns;
+    if (atomicAdd(done, 1u) + 1 == warps) {
+      *counter = 0;
+      *done = 0;
+    }
+  }
+};
+
+// The units of a warp's 3-stage pipeline: the one being computed and the two whose copies are in
+// flight. Used as: u0 = first(), u1 = second() (the prologue's copies), then per computed unit
+// copy(next_copy()) ... advance(), while current() < num; finish() after the loop.
+// UnitPipe<false>: the static stride alone (two counters, as the kernels had before claims: their
+// fp8 instances sit at their register limits); UnitPipe<true>: WarpUnitWalk's units.
+template <bool kClaims>
+struct UnitPipe {
+  int cur, copy, step;  // the unit computed, the next to copy
+  __device__ UnitPipe(int first_unit, int step_, int /*num*/, unsigned* /*claims*/, int /*column*/,
+                      int /*claim_from*/)
+      : cur(first_unit), copy(first_unit), step(step_) {}
+  __device__ __forceinline__ int first() { return next_copy(); }
+  __device__ __forceinline__ int second() { return next_copy(); }
+  __device__ __forceinline__ int next_copy() {
+    const int u = copy;
+    copy += step;
+    return u;
+  }
+  __device__ __forceinline__ void advance() { cur += step; }
+  __device__ __forceinline__ int current() const { return cur; }
+  __device__ __forceinline__ void finish(int, unsigned) {}
+};
+
+template <>
+struct UnitPipe<true> {
+  WarpUnitWalk walk;
+  int cur = INT_MAX, ahead1 = INT_MAX, ahead2 = INT_MAX;
+  __device__ UnitPipe(int first_unit, int step, int num, unsigned* claims, int column, int claim_from)
+      : walk(first_unit, step, num, claims, column, claim_from) {}
+  __device__ __forceinline__ int first() { return cur = walk.next(); }
+  __device__ __forceinline__ int second() { return ahead1 = walk.next(); }
+  __device__ __forceinline__ int next_copy() { return ahead2 = walk.next(); }
+  __device__ __forceinline__ void advance() {
+    cur = ahead1;
+    ahead1 = ahead2;
+  }
+  __device__ __forceinline__ int current() const { return cur; }
+  __device__ __forceinline__ void finish(int columns, unsigned warps) { walk.finish(columns, warps); }
+};
+
+}  // namespace m3rt::kernels

@@ -550,17 +550,50 @@ INSTANTIATE_TEST_SUITE_P(Tokens, GpuQkInsertPositions, ::testing::Values(int64_t
                          });
 
 
-// The QK insert's run-time claims (claim_counters): every call, eager back to back on one stream
-// (every other one launched with PDL, so a call starts while the one before it finishes) and
-// replayed from a graph, writes exactly what the static split writes, and leaves the counters zero
-// for the next. Param: -1 the library's rule (T = 2600: the last 15% claimed), 100 every token
-// claimed (M3RT_QK_CLAIM_PCT), at T = 2600 and at 300 tokens (a warp's static part then empty).
-class GpuQkClaims : public ::testing::TestWithParam<std::tuple<int, int64_t>> {};
+// Calls with run-time claims (claim_counters): kClaimCalls calls of an op, eager back to back on
+// one stream (every other one launched with PDL, so a call starts while the one before it
+// finishes), then the same calls captured in a graph and replayed twice. Each call writes its own
+// outputs, which must equal `want` (the static split's) bitwise, and the counters must be zero
+// after each round. call(i, pdl, stream) runs call i with the counters; reset() restores inputs and
+// poisons outputs (synchronously); outputs(i) are call i's.
+constexpr int kClaimCalls = 4;
+void expect_claimed_calls_match(const std::function<void(int, bool, cudaStream_t)>& call,
+                                const std::function<void()>& reset,
+                                const std::function<std::vector<Tensor>(int)>& outputs,
+                                const std::vector<Tensor>& want, const Tensor& counters) {
+  Tensor zeros = Tensor::empty({kClaimCounterInts}, DType::kInt32, Device::cuda());
+  zeros.fill_bytes(0);
+  CapturedGraph graph([&](cudaStream_t st) {
+    for (int i = 0; i < kClaimCalls; ++i) call(i, i % 2 == 1, st);
+  });
+  for (int mode = 0; mode < 3; ++mode) {  // eager, graph, graph again
+    reset();
+    if (mode == 0) {
+      for (int i = 0; i < kClaimCalls; ++i) call(i, i % 2 == 1, graph.stream);
+    } else {
+      CUDA_OK(cudaGraphLaunch(graph.exec, graph.stream));
+    }
+    CUDA_OK(cudaStreamSynchronize(graph.stream));
+    for (int i = 0; i < kClaimCalls; ++i) {
+      const std::vector<Tensor> got = outputs(i);
+      for (size_t k = 0; k < got.size(); ++k)
+        EXPECT_TRUE(same_bytes(got[k], want[k])) << "call " << i << ", output " << k << ", mode " << mode;
+    }
+    EXPECT_TRUE(same_bytes(counters, zeros)) << "counters after mode " << mode;
+  }
+}
 
-TEST_P(GpuQkClaims, EveryCallWritesWhatTheStaticSplitWritesAndLeavesTheCountersZero) {
+// The two ops' claims. Param: -1 the library's rule at its size (the QK insert T = 2600: the last
+// 15% claimed; the writer n = 8200: 15% in claims of 4 token pairs), 100 every token claimed
+// (M3RT_QK_CLAIM_PCT / M3RT_WRITER_CLAIM_PCT) at that size and at 300 tokens (a warp's static part
+// then empty).
+class GpuClaims : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+
+TEST_P(GpuClaims, QkInsertCallsWriteWhatTheStaticSplitWritesAndLeaveTheCountersZero) {
   REQUIRE_GPU();
-  const auto [pct, T] = GetParam();
-  constexpr int nq = 64, nkv = 4, rot = 64, bs = 128, kCalls = 4;
+  const auto [pct, small] = GetParam();
+  const int64_t T = small ? 300 : 2600;
+  constexpr int nq = 64, nkv = 4, rot = 64, bs = 128;
   constexpr int64_t max_pos = 8192;
   const int64_t nb = (T + bs - 1) / bs + 2, W = (nq + 2 * nkv) * 128;
   const Device g = Device::cuda();
@@ -575,14 +608,13 @@ TEST_P(GpuQkClaims, EveryCallWritesWhatTheStaticSplitWritesAndLeavesTheCountersZ
   const Tensor slots = detail::int64_vector(detail::random_slots(T, nb * bs, 5, rng)).to(g);
   Tensor counters = Tensor::empty({kClaimCounterInts}, DType::kInt32, g);
   counters.fill_bytes(0);
-  // Call i's own qkv (a copy of the input) and cache (NaN), so that no call reads another's output.
-  std::vector<Tensor> qkv, cache;
-  for (int i = 0; i <= kCalls; ++i) {
+  std::vector<Tensor> qkv, cache;  // call i's own (the last: the static reference's)
+  for (int i = 0; i <= kClaimCalls; ++i) {
     qkv.push_back(Tensor::empty({T, W}, DType::kBFloat16, g));
     cache.push_back(Tensor::empty({nb, nkv, bs, 256}, DType::kBFloat16, g));
   }
   auto reset = [&] {
-    for (int i = 0; i <= kCalls; ++i) {
+    for (int i = 0; i <= kClaimCalls; ++i) {
       CUDA_OK(cudaMemcpy(qkv[size_t(i)].data(), qkv_in.data(), size_t(qkv_in.nbytes()), cudaMemcpyDeviceToDevice));
       cache[size_t(i)].fill_bytes(0xFF);
     }
@@ -598,38 +630,71 @@ TEST_P(GpuQkClaims, EveryCallWritesWhatTheStaticSplitWritesAndLeavesTheCountersZ
   const std::string forced = std::to_string(pct);
   const detail::ScopedEnv env("M3RT_QK_CLAIM_PCT", pct >= 0 ? forced.c_str() : nullptr);
   reset();
-  call(kCalls, false, false, nullptr);  // the static split: the reference
+  call(kClaimCalls, false, false, nullptr);  // the static split: the reference
   settle();
-  const Tensor want_qkv = qkv[kCalls].to(Device::cpu()), want_cache = cache[kCalls].to(Device::cpu());
-  ASSERT_FALSE(same_bytes(qkv[kCalls], qkv_in));
-  Tensor zeros = Tensor::empty({kClaimCounterInts}, DType::kInt32, g);
-  zeros.fill_bytes(0);
-  CapturedGraph graph([&](cudaStream_t st) {
-    for (int i = 0; i < kCalls; ++i) call(i, true, i % 2 == 1, st);
-  });
-  for (int mode = 0; mode < 3; ++mode) {  // eager, graph, graph again
-    reset();
-    if (mode == 0) {
-      for (int i = 0; i < kCalls; ++i) call(i, true, i % 2 == 1, graph.stream);
-    } else {
-      CUDA_OK(cudaGraphLaunch(graph.exec, graph.stream));
-    }
-    CUDA_OK(cudaStreamSynchronize(graph.stream));
-    for (int i = 0; i < kCalls; ++i) {
-      EXPECT_TRUE(same_bytes(qkv[size_t(i)], want_qkv)) << "qkv of call " << i << ", mode " << mode;
-      EXPECT_TRUE(same_bytes(cache[size_t(i)], want_cache)) << "cache of call " << i << ", mode " << mode;
-    }
-    EXPECT_TRUE(same_bytes(counters, zeros)) << "counters after mode " << mode;
-  }
+  ASSERT_FALSE(same_bytes(qkv[kClaimCalls], qkv_in));
+  expect_claimed_calls_match([&](int i, bool pdl, cudaStream_t st) { call(i, true, pdl, st); }, reset,
+                             [&](int i) { return std::vector<Tensor>{qkv[size_t(i)], cache[size_t(i)]}; },
+                             {qkv[kClaimCalls].to(Device::cpu()), cache[kClaimCalls].to(Device::cpu())}, counters);
 }
 
-INSTANTIATE_TEST_SUITE_P(Claims, GpuQkClaims,
-                         ::testing::Values(std::tuple{-1, int64_t(2600)}, std::tuple{100, int64_t(2600)},
-                                           std::tuple{100, int64_t(300)}),
+TEST_P(GpuClaims, WriterCallsWriteWhatTheStaticSplitWritesAndLeaveTheCountersZero) {
+  REQUIRE_GPU();
+  const auto [pct, small] = GetParam();
+  const int64_t n = small ? 300 : 8200;
+  constexpr int L = 2, nkv = 2, rot = 64, bs = 64;
+  constexpr int64_t max_pos = 16384;
+  const int64_t nb = (n + bs - 1) / bs + 3;
+  const Device g = Device::cuda();
+  Rng rng(23);
+  const Tensor all_kv = detail::random_half({n, L, 2, nkv, 128}, DType::kBFloat16, rng, -3, 3).to(g);
+  const Tensor w = detail::random_half({L, 128}, DType::kBFloat16, rng, -1, 1).to(g);
+  const Tensor table = detail::rope_table(max_pos, rot).to(g);
+  std::vector<int64_t> pos(static_cast<size_t>(n));
+  for (auto& x : pos) x = rng.integer(0, max_pos - 1);
+  const Tensor positions = detail::int64_vector(pos).to(g);
+  const Tensor slots = detail::int64_vector(detail::random_slots(n, nb * bs, 7, rng)).to(g);
+  Tensor counters = Tensor::empty({kClaimCounterInts}, DType::kInt32, g);
+  counters.fill_bytes(0);
+  // Call i's own caches and writer (the last: the static reference's).
+  const Tensor one = detail::scalar_f32(1.f).to(g);
+  std::vector<std::vector<Tensor>> caches(kClaimCalls + 1);
+  std::vector<std::unique_ptr<DsparkContextKvWriter>> writers;
+  for (auto& c : caches) {
+    std::vector<DsparkDraftLayerKv> layers;
+    for (int l = 0; l < L; ++l) {
+      c.push_back(Tensor::empty({nb, nkv, bs, 256}, DType::kBFloat16, g));
+      layers.push_back({c.back(), KvCacheDtype::kAuto, one, one});
+    }
+    writers.push_back(std::make_unique<DsparkContextKvWriter>(layers));
+  }
+  auto reset = [&] {
+    for (auto& c : caches)
+      for (auto& t : c) t.fill_bytes(0xFF);
+    settle();
+  };
+  auto call = [&](int i, bool claims, bool pdl, cudaStream_t st) {
+    (*writers[size_t(i)])({.all_kv = all_kv, .k_norm_weight = w, .eps = 1e-6f, .positions = positions,
+                           .cos_sin_cache = table, .rotary_dim = rot, .slot_mapping = slots, .enable_pdl = pdl,
+                           .claim_counters = claims ? counters.view() : TensorView{}},
+                          st);
+  };
+  const std::string forced = std::to_string(pct);
+  const detail::ScopedEnv env("M3RT_WRITER_CLAIM_PCT", pct >= 0 ? forced.c_str() : nullptr);
+  reset();
+  call(kClaimCalls, false, false, nullptr);  // the static split: the reference
+  settle();
+  std::vector<Tensor> want;
+  for (auto& t : caches[kClaimCalls]) want.push_back(t.to(Device::cpu()));
+  expect_claimed_calls_match([&](int i, bool pdl, cudaStream_t st) { call(i, true, pdl, st); }, reset,
+                             [&](int i) { return caches[size_t(i)]; }, want, counters);
+}
+
+INSTANTIATE_TEST_SUITE_P(Claims, GpuClaims,
+                         ::testing::Values(std::tuple{-1, false}, std::tuple{100, false}, std::tuple{100, true}),
                          [](const auto& info) {
-                           const int pct = std::get<0>(info.param);
-                           return std::string(pct < 0 ? "rule" : "all").append("_T").append(
-                               std::to_string(std::get<1>(info.param)));
+                           return std::string(std::get<0>(info.param) < 0 ? "rule" : "all")
+                               .append(std::get<1>(info.param) ? "_small" : "_large");
                          });
 
 // ------------------------------------------------------------------------------------------------

@@ -28,8 +28,9 @@ void require_last_dim_contiguous(const char* op, const char* name, const TensorV
 void require_device(const char* op, const char* name, const TensorView& v, Device device);
 // An fp32 scalar ([] or [1]) on `device`.
 void require_scale(const char* op, const char* name, const TensorView& v, Device device);
-// Optional run-time claim counters (QknormRopeKvInsertArgs::claim_counters): int32, contiguous, at
-// least kClaimCounterInts, on `device`. Returns them as the kernels take them, nullptr when not given.
+// Optional run-time claim counters (QknormRopeKvInsertArgs / DsparkContextKvArgs::claim_counters):
+// int32, contiguous, at least kClaimCounterInts, on `device`. Returns them as the kernels take them,
+// nullptr when not given.
 unsigned* claim_counters_arg(const char* op, const TensorView& v, Device device);
 // A 1-D int64 vector of n elements, contiguous, on `device`.
 void require_index_vector(const char* op, const char* name, const TensorView& v, int64_t n,

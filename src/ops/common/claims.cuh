@@ -1,15 +1,14 @@
-// Run-time work claims for the one-wave streaming kernels (the QK insert's quad kernel; the context
-// writer's half-warp kernel ran 1.02x with them on bf16 and lost on fp8, session 51, not landed:
-// bench/results/s51-writer-claims.patch): a warp walks its units of work [first, claim_from) by a fixed stride, then
-// takes units of [claim_from, num) one at a time from its grid column's counter, so warps on SMs
-// that stream faster take more of the tail (a static equal split waits for the slowest SMs:
+// Run-time work claims for the one-wave streaming kernels (the QK insert's quad kernel, the context
+// writer's half-warp kernel): a warp walks its units of work [first, claim_from) by a fixed
+// stride, then takes units of [claim_from, num) a claim at a time (one unit, or kGrain) from its
+// grid column's counter, so warps on SMs that stream faster take more of the tail (a static equal split waits for the slowest SMs:
 // docs/perf.md, "Session 50"). Each claim is issued one unit ahead of its use (lane 0's atomic;
 // the value is waited for only where that unit's copies are issued), so its round trip overlaps
 // the copies and the math of the unit before. The column's last warp to finish returns both of
 // its counters to zero, so a buffer that starts at zero is zero again after every completed
 // launch (a dependent launch's griddepcontrol.wait sees that too).
 //
-// Counters: claims[column] (units taken past claim_from) and claims[columns + column] (the
+// Counters: claims[column] (claims taken past claim_from) and claims[columns + column] (the
 // column's warps that have finished), 32-bit.
 #pragma once
 
@@ -22,7 +21,9 @@ namespace m3rt::kernels {
 constexpr int64_t claim_counters_needed(int64_t columns) { return 2 * columns; }
 
 // One warp's walk. Every member but `pending` is warp-uniform; next() and finish() are called by
-// every lane of the warp together (they shuffle with the full mask).
+// every lane of the warp together (they shuffle with the full mask). A claim takes kGrain units
+// (claim c: units claim_from + c kGrain ...), the next claim issued as the last of them is taken.
+template <int kGrain>
 struct WarpUnitWalk {
   int next_static;    // the warp's next unit of the static part
   int static_end;     // claim_from (num when not claiming)
@@ -32,6 +33,7 @@ struct WarpUnitWalk {
   unsigned* counter;  // &claims[column]; nullptr: static only
   unsigned pending = 0;  // lane 0: the issued claim's value
   bool issued = false, exhausted = false;
+  int grant_next = 0, grant_end = 0;  // the rest of the current claim's units (kGrain > 1)
 
   __device__ WarpUnitWalk(int first, int step_, int num_, unsigned* claims, int column, int claim_from_)
       : next_static(first), step(step_), claim_from(claim_from_), num(num_),
@@ -53,12 +55,24 @@ struct WarpUnitWalk {
       return u;
     }
     if (counter == nullptr || exhausted) return INT_MAX;
+    if constexpr (kGrain > 1) {
+      if (grant_next < grant_end) {
+        const int u = grant_next++;
+        if (grant_next == grant_end) issue();
+        return u;
+      }
+    }
     if (!issued) issue();
-    const int u = claim_from + int(__shfl_sync(0xffffffffu, pending, 0));
+    const int u = claim_from + int(__shfl_sync(0xffffffffu, pending, 0)) * kGrain;
     issued = false;
     if (u >= num) {
       exhausted = true;
       return INT_MAX;
+    }
+    if constexpr (kGrain > 1) {
+      grant_next = u + 1;
+      grant_end = min(u + kGrain, num);
+      if (grant_next < grant_end) return u;
     }
     issue();
     return u;
@@ -81,8 +95,8 @@ struct WarpUnitWalk {
 // flight. Used as: u0 = first(), u1 = second() (the prologue's copies), then per computed unit
 // copy(next_copy()) ... advance(), while current() < num; finish() after the loop.
 // UnitPipe<false>: the static stride alone (two counters, as the kernels had before claims: their
-// fp8 instances sit at their register limits); UnitPipe<true>: WarpUnitWalk's units.
-template <bool kClaims>
+// fp8 instances sit at their register limits); UnitPipe<true, kGrain>: WarpUnitWalk's units.
+template <bool kClaims, int kGrain = 1>
 struct UnitPipe {
   int cur, copy, step;  // the unit computed, the next to copy
   __device__ UnitPipe(int first_unit, int step_, int /*num*/, unsigned* /*claims*/, int /*column*/,
@@ -100,9 +114,9 @@ struct UnitPipe {
   __device__ __forceinline__ void finish(int, unsigned) {}
 };
 
-template <>
-struct UnitPipe<true> {
-  WarpUnitWalk walk;
+template <int kGrain>
+struct UnitPipe<true, kGrain> {
+  WarpUnitWalk<kGrain> walk;
   int cur = INT_MAX, ahead1 = INT_MAX, ahead2 = INT_MAX;
   __device__ UnitPipe(int first_unit, int step, int num, unsigned* claims, int column, int claim_from)
       : walk(first_unit, step, num, claims, column, claim_from) {}

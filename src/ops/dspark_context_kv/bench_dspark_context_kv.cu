@@ -6,7 +6,9 @@
 // 1) + positions and slots (n*16). Inputs rotate over sets larger than 3x L2; each set writes its
 // own slots, laid out as an engine's: consecutive tokens fill a block, blocks in shuffled order.
 // Times are per call inside a CUDA graph of 20 calls (median of 25 replays); each row is timed again
-// with enable_pdl (" pdl": every call a programmatic dependent of the one before).
+// with enable_pdl (" pdl": every call a programmatic dependent of the one before). Every call passes
+// claim_counters (the fast configuration; bf16 claims from 8192 tokens), and the bf16 rows from 8192
+// tokens are timed without them too ("vs static").
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -29,6 +31,8 @@ std::vector<BenchRow> bench_dspark_context_kv(const BenchEnv& env) {
   fill_uniform_bf16(table.data(), table.numel(), 7, -1.f, 1.f);
   Tensor w = Tensor::empty({L, 128}, DType::kBFloat16, Device::cuda());
   fill_uniform_bf16(w.data(), w.numel(), 8, -0.5f, 0.5f);
+  Tensor claims = Tensor::empty({kClaimCounterInts}, DType::kInt32, Device::cuda());
+  claims.fill_bytes(0);
   std::vector<int64_t> sizes = env.quick ? std::vector<int64_t>{7, 8192}
                                          : std::vector<int64_t>{1, 7, 64, 512, 8192, 32768};
   // M3RT_BENCH_WRITER_TOKENS (e.g. "8192,16384,32768"; investigation): only these num_ctx.
@@ -67,7 +71,7 @@ std::vector<BenchRow> bench_dspark_context_kv(const BenchEnv& env) {
       auto args = [&](int s, bool pdl = false) {
         return DsparkContextKvArgs{.all_kv = kv[s], .k_norm_weight = w, .eps = eps,
                                    .positions = pos[s], .cos_sin_cache = table, .rotary_dim = rot,
-                                   .slot_mapping = slots[s], .enable_pdl = pdl};
+                                   .slot_mapping = slots[s], .enable_pdl = pdl, .claim_counters = claims};
       };
       const double fused_us = time_us([&](int s, CUstream_st* st) { writer(args(s), st); }, sets, true, env);
       const double eager_us = time_us([&](int s, CUstream_st* st) { writer(args(s), st); }, sets, false, env);
@@ -102,6 +106,16 @@ std::vector<BenchRow> bench_dspark_context_kv(const BenchEnv& env) {
       r.gbps = bytes / (fused_us * 1e3);
       r.pct_ceiling = 100.0 * r.gbps / env.copy_gbps;
       r.ratios = {{"vs unfused", unfused_us / fused_us}};
+      if (!fp8 && n >= 8192) {  // the claims' range: the same calls without claim_counters
+        const double static_us = time_us(
+            [&](int s, CUstream_st* st) {
+              DsparkContextKvArgs a = args(s);
+              a.claim_counters = TensorView{};
+              writer(a, st);
+            },
+            sets, true, env);
+        r.ratios.push_back({"vs static", static_us / fused_us});
+      }
       char note[96];
       std::snprintf(note, sizeof(note), "unfused %.2f us; eager %.2f us; %d sets", unfused_us, eager_us, sets);
       r.note = note + host_cost_note([&](int s, CUstream_st* st) { writer(args(s), st); }, sets, 64);

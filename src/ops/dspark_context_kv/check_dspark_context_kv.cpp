@@ -20,6 +20,7 @@ struct WriterShape {
   int L, nkv, bs, rot;
   int64_t n;
   bool force_quad = false;  // the GPU run takes the quad kernel whatever the size and the GPU
+  int claim_pct = -2;       // claim counters: CheckClaims (the half-warp kernel claims)
 };
 
 void check_writer_variant(CheckContext& c, const WriterShape& s) {
@@ -27,7 +28,7 @@ void check_writer_variant(CheckContext& c, const WriterShape& s) {
   const float eps = 1e-6f;
   c.variant = std::string(s.fp8 ? "fp8" : "bf16") + " L" + std::to_string(s.L) + " nkv" +
               std::to_string(s.nkv) + " bs" + std::to_string(s.bs) + " rot" + std::to_string(s.rot) +
-              " n" + std::to_string(s.n) + (s.force_quad ? " quad" : "");
+              " n" + std::to_string(s.n) + (s.force_quad ? " quad" : "") + CheckClaims::suffix(s.claim_pct);
   Tensor all_kv = random_half({s.n, s.L, 2, s.nkv, 128}, DType::kBFloat16, c.rng, -3, 3);
   Tensor w = random_half({s.L, 128}, DType::kBFloat16, c.rng, -1, 1);
   std::vector<int64_t> pos(static_cast<size_t>(s.n));
@@ -57,8 +58,10 @@ void check_writer_variant(CheckContext& c, const WriterShape& s) {
     Tensor kv = on(all_kv, dev), wd = on(w, dev), pd = on(positions, dev), sd = on(slots, dev),
            td = on(table, dev);
     const ScopedEnv quad("M3RT_WRITER_QUAD_MIN", s.force_quad && dev.is_cuda() ? "1" : nullptr);
+    const CheckClaims claims(s.claim_pct, "M3RT_WRITER_CLAIM_PCT", dev);
     writer({.all_kv = kv, .k_norm_weight = wd, .eps = eps, .positions = pd, .cos_sin_cache = td,
-            .rotary_dim = s.rot, .slot_mapping = sd});
+            .rotary_dim = s.rot, .slot_mapping = sd, .claim_counters = claims.view()});
+    if (dev == c.device) claims.add_rows(c);
     std::vector<Tensor> out;
     for (auto& cache : caches) out.push_back(to_host(cache));
     return out;
@@ -126,6 +129,14 @@ void check_dspark_context_kv_write(CheckContext& c) {
   check_writer_variant(c, {true, 2, 2, 64, 64, 4100, true});
   check_writer_variant(c, {true, 3, 1, 16, 16, 1290, true});
   check_writer_variant(c, {true, 1, 2, 128, 32, 777, true});
+  // Run-time claims (claim_counters) in the half-warp kernel, bf16 caches, 4 token pairs a claim:
+  // the library's rule from 8192 tokens, every pair claimed at an odd count (the last pair one
+  // token), 15% of 151 pairs (a last claim of 2 pairs); an fp8 call given counters (it never
+  // claims: they must stay zero).
+  check_writer_variant(c, {false, 2, 2, 64, 64, 8200, false, -1});
+  check_writer_variant(c, {false, 5, 4, 128, 64, 4101, false, 100});
+  check_writer_variant(c, {true, 2, 2, 64, 32, 2999, false, 30});
+  check_writer_variant(c, {false, 3, 2, 64, 16, 301, false, 15});
 }
 
 }  // namespace m3rt::detail

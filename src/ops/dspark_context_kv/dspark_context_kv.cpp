@@ -135,6 +135,7 @@ void DsparkContextKvWriter::operator()(const DsparkContextKvArgs& a, stream_t st
   require_index_vector(kOp, "positions", a.positions, num_ctx, dev);
   require_index_vector(kOp, "slot_mapping", a.slot_mapping, num_ctx, dev);
   if (!(a.eps >= 0.f)) throw_arg_error(kOp, "eps", std::to_string(a.eps), "must be >= 0");
+  unsigned* const claims = claim_counters_arg(kOp, a.claim_counters, dev);
   if (num_ctx == 0) return;
   if (dev.is_cuda()) {
     require_aligned16(kOp, "all_kv", kv);
@@ -164,6 +165,7 @@ void DsparkContextKvWriter::operator()(const DsparkContextKvArgs& a, stream_t st
   p.rotary_dim = a.rotary_dim;
   p.fp8 = kv_cache_is_fp8(kv_cache_dtype());
   p.pdl = a.enable_pdl;
+  p.claims = claims;
   run_on_device(kOp, dev, p, dspark_context_kv_ref, M3RT_LAUNCHER(dspark_context_kv_launch), stream);
 }
 

@@ -17,6 +17,7 @@
 
 #include "core/cuda_check.h"
 #include "core/validate.h"
+#include "ops/common/claims.cuh"
 #include "ops/common/head_math.cuh"
 #include "ops/common/sm90.cuh"
 #include "ops/dspark_context_kv/dspark_context_kv.h"
@@ -31,6 +32,8 @@ constexpr int kThreads = 256;
 constexpr int kMinBlocksPerSm = 4;
 constexpr int kStages = 3;  // the run being computed and two in flight (4 and 5 measured slower)
 constexpr int kTokensPerRun = kThreads / kernels::kLanesPerHead;  // one token per half-warp
+constexpr int kWarps = kThreads / 32;
+constexpr int kClaimGrain = 4;  // token pairs a claim takes (launcher's claim_from)
 
 // One stage of the pipeline: a run's K and V rows (each lane's 16 bytes) and its indices.
 struct Stage {
@@ -38,7 +41,7 @@ struct Stage {
   int64_t idx[kTokensPerRun][2];                          // [token][slot, position]
 };
 
-template <int kRotaryDim, bool kFp8>
+template <int kRotaryDim, bool kFp8, bool kClaims>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     dspark_context_kv_kernel(const __grid_constant__ DsparkContextKvParams p) {
   using namespace kernels;
@@ -54,8 +57,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   const int j = threadIdx.x % kLanesPerHead;
   const int tok = threadIdx.x / kLanesPerHead;  // the half-warp's token within a run
   const int num_ctx = int(p.num_ctx);
-  const int run_step = int(gridDim.y) * kTokensPerRun;  // tokens between a block's runs
-  const int64_t src_step = int64_t(run_step) * p.stride_all_kv_t;
   const int64_t v_offset = int64_t(p.num_kv_heads) * 128;
   constexpr int kElemBytes = kFp8 ? 1 : 2;
   // This lane's 8 elements of head h of layer l's cache, at slot 0.
@@ -75,35 +76,47 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   // the token's slot and position, read by the half-warp after a __syncwarp.
   const uint32_t rows_smem = smem_u32(&stages[0].rows[tok][0][j]);
   const uint32_t idx_smem = smem_u32(&stages[0].idx[tok][0]);
-  int t_pref = int(blockIdx.y) * kTokensPerRun + tok;  // this lane's token of the next copy
-  const uint16_t* src = p.all_kv + (int64_t(l) * 2 * p.num_kv_heads + h) * 128 + j * kDimsPerLane +
-                        int64_t(t_pref) * p.stride_all_kv_t;
-  auto prefetch = [&](int stage) {
-    if (t_pref < num_ctx) {
-      cp_async_16(rows_smem + stage * sizeof(Stage), src);
-      cp_async_16(rows_smem + stage * sizeof(Stage) + sizeof(uint4) * kLanesPerHead, src + v_offset);
+  // The walk. Static (the instance every call takes unless it claims): the block's runs of 16
+  // tokens, stride gridDim.y runs, its pointers stepped by a fixed amount. kClaims: a warp's unit
+  // is a token pair (half-warp tok % 2 takes token 2 u + tok % 2), the static units by the same
+  // stride, then the last ones claimed kClaimGrain at a time (claims.cuh).
+  const int run_step = int(gridDim.y) * kTokensPerRun;  // tokens between a block's runs
+  const int64_t src_step = int64_t(run_step) * p.stride_all_kv_t;
+  const int num_units = (num_ctx + 1) / 2;
+  UnitPipe<kClaims, kClaimGrain> units(int(blockIdx.y) * kWarps + int(threadIdx.x) / 32, int(gridDim.y) * kWarps,
+                                       num_units, p.claims, int(blockIdx.x), p.claim_from);
+  const uint16_t* const src0 = p.all_kv + (int64_t(l) * 2 * p.num_kv_heads + h) * 128 + j * kDimsPerLane;
+  int t_pref = int(blockIdx.y) * kTokensPerRun + tok;  // static: this lane's token of the next copy
+  const uint16_t* src = src0 + int64_t(t_pref) * p.stride_all_kv_t;
+  auto prefetch = [&](int stage, int u) {  // u: the unit (kClaims; the static walk ignores it)
+    int t = t_pref;
+    const uint16_t* from = src;
+    if constexpr (kClaims) {
+      t = u < num_units ? 2 * u + (tok & 1) : num_ctx;
+      from = src0 + int64_t(t) * p.stride_all_kv_t;
+    }
+    if (t < num_ctx) {
+      cp_async_16(rows_smem + stage * sizeof(Stage), from);
+      cp_async_16(rows_smem + stage * sizeof(Stage) + sizeof(uint4) * kLanesPerHead, from + v_offset);
       if (j == 0) {
-        cp_async_8(idx_smem + stage * sizeof(Stage), p.slots + t_pref);
-        cp_async_8(idx_smem + stage * sizeof(Stage) + 8, p.positions + t_pref);
+        cp_async_8(idx_smem + stage * sizeof(Stage), p.slots + t);
+        cp_async_8(idx_smem + stage * sizeof(Stage) + 8, p.positions + t);
       }
     }
     cp_async_commit();  // an empty group past the end keeps the wait counts uniform
-    t_pref += run_step;
-    src += src_step;
+    if constexpr (!kClaims) {
+      t_pref += run_step;
+      src += src_step;
+    }
   };
-#pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) prefetch(i);
-  int cur = 0;
-  // The loop bound is block-uniform and nothing below branches around the shuffles, so each warp
-  // stays converged and shuffles with the full mask (xor distances < 16 stay in each half).
-  for (int t0 = int(blockIdx.y) * kTokensPerRun; t0 < num_ctx; t0 += run_step, cur = (cur + 1) % kStages) {
-    prefetch((cur + kStages - 1) % kStages);
-    cp_async_wait<kStages - 1>();  // this run's copies have landed
+  // One unit's (static: one run's) step: stage `cur`'s rows landed, this half-warp's token t.
+  auto step = [&](int cur, int t) {
+    cp_async_wait<kStages - 1>();  // this step's copies have landed
     __syncwarp();
     const Stage& st = stages[cur];
     // Padding (slot < 0), slots past the cache and positions past the table: not written.
     const int64_t slot = st.idx[tok][0], pos = st.idx[tok][1];
-    const bool write = t0 + tok < num_ctx && uint64_t(slot) < uint64_t(p.num_slots) &&
+    const bool write = t < num_ctx && uint64_t(slot) < uint64_t(p.num_slots) &&
                        uint64_t(pos) < uint64_t(p.max_pos);
     RopeLane rope{};
     if (rope_lane_rotates<kRotaryDim>(j)) rope = load_rope_lane<kRotaryDim>(j, table + (write ? int(pos) : 0) * kRotaryDim);
@@ -119,7 +132,28 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     rope_neox_head<kRotaryDim>(x, j, rope, kFullMask);
     if (write) store_cache_copy<kFp8>(row, 0, pack_bf16x8(x), k_q);
     __syncwarp();  // every lane has read this stage before it is refilled
+  };
+  // The loop bounds are warp-uniform (block-uniform when static) and nothing in a step branches
+  // around the shuffles, so each warp stays converged and shuffles with the full mask (xor
+  // distances < 16 stay in each half).
+  if constexpr (kClaims) {
+    static_assert(kStages == 3, "the walk holds two units ahead");
+    prefetch(0, units.first());
+    prefetch(1, units.second());
+    for (int cur = 0; units.current() < num_units; units.advance(), cur = (cur + 1) % kStages) {
+      prefetch((cur + kStages - 1) % kStages, units.next_copy());
+      step(cur, 2 * units.current() + (tok & 1));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) prefetch(i, 0);
+    int cur = 0;
+    for (int t0 = int(blockIdx.y) * kTokensPerRun; t0 < num_ctx; t0 += run_step, cur = (cur + 1) % kStages) {
+      prefetch((cur + kStages - 1) % kStages, 0);
+      step(cur, t0 + tok);
+    }
   }
+  units.finish(int(gridDim.x), gridDim.y * unsigned(kWarps));
   cp_async_wait<0>();
 }
 
@@ -273,6 +307,26 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
   cp_async_wait<0>();
 }
 
+// The half-warp kernel's first claimed unit (token pair; claims.cuh), the unit count when it claims
+// none: the last kClaimPercent% of the pairs, kClaimGrain pairs a claim, from kClaimMinTokens tokens
+// with the caller's counters and a bf16 cache (fp8 never: on an H100, session 51, claims of one
+// pair ran fp8 n = 8192-32768 0.92-0.96x) and at most kClaimCounterInts / 2 (layer, kv head) pairs.
+// M3RT_WRITER_CLAIM_PCT=P (investigation) claims P% at any token count (0: none). H100, session 51
+// (bench/results/h100-s51-writer-claims.txt), bf16 against the static split: 15% in claims of 4
+// pairs n = 8192 / 16384 / 32768 1.03 / 1.05 / 1.05x; claims of 1 pair gained 1.01-1.03x at 5%
+// (a pair is 1 KB of reads: the counters are hit 4x as often as the QK insert's for the bytes),
+// 10% in claims of 2 or 4 1.02-1.05x, 20% in claims of 8 1.00-1.05x; below 8192 tokens every form
+// lost (n = 2048 0.80-0.85x, n = 4096 0.94-0.96x).
+constexpr int64_t kClaimMinTokens = 8192;
+constexpr int kClaimPercent = 15;
+int claim_from(const DsparkContextKvParams& p, unsigned columns) {
+  const int units = int((p.num_ctx + 1) / 2);
+  if (p.claims == nullptr || p.fp8 || kernels::claim_counters_needed(columns) > kClaimCounterInts) return units;
+  const int forced = detail::env_int("M3RT_WRITER_CLAIM_PCT", -1);
+  const int pct = forced >= 0 ? std::min(forced, 100) : p.num_ctx >= kClaimMinTokens ? kClaimPercent : 0;
+  return units - int(int64_t(units) * pct / 100);
+}
+
 template <int kRotaryDim, bool kFp8>
 void launch(const DsparkContextKvParams& p, cudaStream_t stream) {
   // The kernel indexes tokens, slots, positions and a block's bytes in 32 bits.
@@ -298,7 +352,16 @@ void launch(const DsparkContextKvParams& p, cudaStream_t stream) {
   }
   const dim3 grid = detail::one_wave_grid(pairs, (p.num_ctx + kTokensPerRun - 1) / kTokensPerRun,
                                           int64_t(detail::multiprocessor_count()) * kMinBlocksPerSm);
-  kernels::launch_pdl_or_plain(dspark_context_kv_kernel<kRotaryDim, kFp8>, grid, kThreads, p, p.pdl, stream,
+  DsparkContextKvParams pc = p;
+  pc.claim_from = claim_from(p, grid.x);
+  if constexpr (!kFp8) {  // fp8: no claiming instance (claim_from is the unit count)
+    if (pc.claim_from < (p.num_ctx + 1) / 2) {
+      return kernels::launch_pdl_or_plain(dspark_context_kv_kernel<kRotaryDim, kFp8, true>, grid, kThreads, pc, p.pdl,
+                                          stream, "dspark_context_kv_kernel");
+    }
+  }
+  pc.claims = nullptr;
+  kernels::launch_pdl_or_plain(dspark_context_kv_kernel<kRotaryDim, kFp8, false>, grid, kThreads, pc, p.pdl, stream,
                                "dspark_context_kv_kernel");
 }
 

@@ -32,6 +32,10 @@ struct DsparkContextKvParams {
   int rotary_dim;                 // 16, 32, 64
   bool fp8;
   bool pdl;                       // launch as a programmatic dependent (enable_pdl; Hopper only)
+  // The half-warp kernel's run-time claims (ops/common/claims.cuh): kClaimCounterInts zeroed
+  // counters or nullptr (static split); the launcher sets claim_from, the first claimed token pair.
+  unsigned* claims;
+  int claim_from;
 };
 
 // CPU reference: the spec's unfused math, per (token, layer, head), in plain fp32.

@@ -116,7 +116,9 @@ TEST_P(DsparkWriterCpu, MatchesOracle) {
   SEED_TRACE(s.rng);
   DsparkContextKvWriter writer(s.layers);
   DsparkContextKvArgs a = s.args();
-  a.enable_pdl = c.num_ctx % 2 == 1;  // a GPU launch option: the CPU path ignores it
+  a.enable_pdl = c.num_ctx % 2 == 1;  // GPU launch options: the CPU path ignores them
+  Tensor claims = poisoned({kClaimCounterInts}, DType::kInt32);
+  if (c.num_ctx % 3 == 1) a.claim_counters = claims;
   writer(a);
   EXPECT_EQ(writer.table_builds(), c.num_ctx > 0 ? 1 : 0);
   Mismatches mm;
@@ -458,6 +460,10 @@ TEST(DsparkCallArgs, BadArguments) {
       {"k_norm_weight layers", [](C& c) { c.a.k_norm_weight = c.make({3, 128}, DType::kBFloat16); },
        {"k_norm_weight.shape = [3, 128]"}},
       {"eps", [](C& c) { c.a.eps = -1.0f; }, {"eps = -1"}},
+      {"claim_counters float", [](C& c) { c.a.claim_counters = c.make({256}, DType::kFloat32); },
+       {op + "claim_counters.dtype = float32", "supported: int32"}},
+      {"claim_counters too few", [](C& c) { c.a.claim_counters = c.make({16}, DType::kInt32); },
+       {"claim_counters = int32[16] on cpu", "at least kClaimCounterInts = 256"}},
   });
   EXPECT_FALSE(m3rt::dspark_rotary_dim_supported(48, 128));
   EXPECT_FALSE(m3rt::dspark_rotary_dim_supported(64, 256));

@@ -550,26 +550,34 @@ INSTANTIATE_TEST_SUITE_P(Tokens, GpuQkInsertPositions, ::testing::Values(int64_t
                          });
 
 
-// Calls with run-time claims (claim_counters): kClaimCalls calls of an op, eager back to back on
-// one stream (every other one launched with PDL, so a call starts while the one before it
-// finishes), then the same calls captured in a graph and replayed twice. Each call writes its own
-// outputs, which must equal `want` (the static split's) bitwise, and the counters must be zero
-// after each round. call(i, pdl, stream) runs call i with the counters; reset() restores inputs and
-// poisons outputs (synchronously); outputs(i) are call i's.
+// Calls with run-time claims (claim_counters): call kClaimCalls without counters (the static
+// split) gives the reference; then calls 0..kClaimCalls-1 with them, eager back to back on one
+// stream (every other one launched with PDL, so a call starts while the one before it finishes),
+// then the same calls captured in a graph and replayed twice. Each call writes its own outputs,
+// which must equal the reference's bitwise, and the counters must be zero after each round.
+// call(i, claims, pdl, stream) runs call i; reset() restores inputs and poisons outputs
+// (synchronously); outputs(i) are call i's. `env` = `pct` (>= 0) forces the claimed share.
 constexpr int kClaimCalls = 4;
-void expect_claimed_calls_match(const std::function<void(int, bool, cudaStream_t)>& call,
+void expect_claimed_calls_match(const std::function<void(int, bool, bool, cudaStream_t)>& call,
                                 const std::function<void()>& reset,
-                                const std::function<std::vector<Tensor>(int)>& outputs,
-                                const std::vector<Tensor>& want, const Tensor& counters) {
+                                const std::function<std::vector<Tensor>(int)>& outputs, const char* env, int pct,
+                                const Tensor& counters) {
+  const std::string forced = std::to_string(pct);
+  const detail::ScopedEnv scoped(env, pct >= 0 ? forced.c_str() : nullptr);
+  reset();
+  call(kClaimCalls, false, false, nullptr);
+  settle();
+  std::vector<Tensor> want;
+  for (const Tensor& t : outputs(kClaimCalls)) want.push_back(t.to(Device::cpu()));
   Tensor zeros = Tensor::empty({kClaimCounterInts}, DType::kInt32, Device::cuda());
   zeros.fill_bytes(0);
   CapturedGraph graph([&](cudaStream_t st) {
-    for (int i = 0; i < kClaimCalls; ++i) call(i, i % 2 == 1, st);
+    for (int i = 0; i < kClaimCalls; ++i) call(i, true, i % 2 == 1, st);
   });
   for (int mode = 0; mode < 3; ++mode) {  // eager, graph, graph again
     reset();
     if (mode == 0) {
-      for (int i = 0; i < kClaimCalls; ++i) call(i, i % 2 == 1, graph.stream);
+      for (int i = 0; i < kClaimCalls; ++i) call(i, true, i % 2 == 1, graph.stream);
     } else {
       CUDA_OK(cudaGraphLaunch(graph.exec, graph.stream));
     }
@@ -582,6 +590,22 @@ void expect_claimed_calls_match(const std::function<void(int, bool, cudaStream_t
     EXPECT_TRUE(same_bytes(counters, zeros)) << "counters after mode " << mode;
   }
 }
+
+// The token-indexed inputs of a claims test: a RoPE table, n positions in it, n slots in
+// [0, num_slots) (every `pad`-th -1), and zeroed claim counters, all on the GPU.
+struct ClaimCallInputs {
+  Tensor table, positions, slots, counters;
+  ClaimCallInputs(int64_t n, int64_t max_pos, int rot, int64_t num_slots, int pad, Rng& rng) {
+    const Device g = Device::cuda();
+    table = detail::rope_table(max_pos, rot).to(g);
+    std::vector<int64_t> pos(static_cast<size_t>(n));
+    for (auto& x : pos) x = rng.integer(0, max_pos - 1);
+    positions = detail::int64_vector(pos).to(g);
+    slots = detail::int64_vector(detail::random_slots(n, num_slots, pad, rng)).to(g);
+    counters = Tensor::empty({kClaimCounterInts}, DType::kInt32, g);
+    counters.fill_bytes(0);
+  }
+};
 
 // The two ops' claims. Param: -1 the library's rule at its size (the QK insert T = 2600: the last
 // 15% claimed; the writer n = 8200: 15% in claims of 4 token pairs), 100 every token claimed
@@ -601,13 +625,8 @@ TEST_P(GpuClaims, QkInsertCallsWriteWhatTheStaticSplitWritesAndLeaveTheCountersZ
   const Tensor qkv_in = detail::random_half({T, W}, DType::kBFloat16, rng, -3, 3).to(g);
   const Tensor qw = detail::random_half({128}, DType::kBFloat16, rng, -1, 1).to(g);
   const Tensor kw = detail::random_half({128}, DType::kBFloat16, rng, -1, 1).to(g);
-  const Tensor table = detail::rope_table(max_pos, rot).to(g);
-  std::vector<int64_t> pos(static_cast<size_t>(T));
-  for (auto& x : pos) x = rng.integer(0, max_pos - 1);
-  const Tensor positions = detail::int64_vector(pos).to(g);
-  const Tensor slots = detail::int64_vector(detail::random_slots(T, nb * bs, 5, rng)).to(g);
-  Tensor counters = Tensor::empty({kClaimCounterInts}, DType::kInt32, g);
-  counters.fill_bytes(0);
+  const ClaimCallInputs in(T, max_pos, rot, nb * bs, 5, rng);
+  const Tensor &table = in.table, &positions = in.positions, &slots = in.slots, &counters = in.counters;
   std::vector<Tensor> qkv, cache;  // call i's own (the last: the static reference's)
   for (int i = 0; i <= kClaimCalls; ++i) {
     qkv.push_back(Tensor::empty({T, W}, DType::kBFloat16, g));
@@ -627,15 +646,10 @@ TEST_P(GpuClaims, QkInsertCallsWriteWhatTheStaticSplitWritesAndLeaveTheCountersZ
                            .enable_pdl = pdl, .claim_counters = claims ? counters.view() : TensorView{}},
                           st);
   };
-  const std::string forced = std::to_string(pct);
-  const detail::ScopedEnv env("M3RT_QK_CLAIM_PCT", pct >= 0 ? forced.c_str() : nullptr);
-  reset();
-  call(kClaimCalls, false, false, nullptr);  // the static split: the reference
-  settle();
-  ASSERT_FALSE(same_bytes(qkv[kClaimCalls], qkv_in));
-  expect_claimed_calls_match([&](int i, bool pdl, cudaStream_t st) { call(i, true, pdl, st); }, reset,
+  expect_claimed_calls_match(call, reset,
                              [&](int i) { return std::vector<Tensor>{qkv[size_t(i)], cache[size_t(i)]}; },
-                             {qkv[kClaimCalls].to(Device::cpu()), cache[kClaimCalls].to(Device::cpu())}, counters);
+                             "M3RT_QK_CLAIM_PCT", pct, counters);
+  EXPECT_FALSE(same_bytes(qkv[kClaimCalls], qkv_in));  // the reference ran
 }
 
 TEST_P(GpuClaims, WriterCallsWriteWhatTheStaticSplitWritesAndLeaveTheCountersZero) {
@@ -649,13 +663,8 @@ TEST_P(GpuClaims, WriterCallsWriteWhatTheStaticSplitWritesAndLeaveTheCountersZer
   Rng rng(23);
   const Tensor all_kv = detail::random_half({n, L, 2, nkv, 128}, DType::kBFloat16, rng, -3, 3).to(g);
   const Tensor w = detail::random_half({L, 128}, DType::kBFloat16, rng, -1, 1).to(g);
-  const Tensor table = detail::rope_table(max_pos, rot).to(g);
-  std::vector<int64_t> pos(static_cast<size_t>(n));
-  for (auto& x : pos) x = rng.integer(0, max_pos - 1);
-  const Tensor positions = detail::int64_vector(pos).to(g);
-  const Tensor slots = detail::int64_vector(detail::random_slots(n, nb * bs, 7, rng)).to(g);
-  Tensor counters = Tensor::empty({kClaimCounterInts}, DType::kInt32, g);
-  counters.fill_bytes(0);
+  const ClaimCallInputs in(n, max_pos, rot, nb * bs, 7, rng);
+  const Tensor &table = in.table, &positions = in.positions, &slots = in.slots, &counters = in.counters;
   // Call i's own caches and writer (the last: the static reference's).
   const Tensor one = detail::scalar_f32(1.f).to(g);
   std::vector<std::vector<Tensor>> caches(kClaimCalls + 1);
@@ -679,15 +688,8 @@ TEST_P(GpuClaims, WriterCallsWriteWhatTheStaticSplitWritesAndLeaveTheCountersZer
                            .claim_counters = claims ? counters.view() : TensorView{}},
                           st);
   };
-  const std::string forced = std::to_string(pct);
-  const detail::ScopedEnv env("M3RT_WRITER_CLAIM_PCT", pct >= 0 ? forced.c_str() : nullptr);
-  reset();
-  call(kClaimCalls, false, false, nullptr);  // the static split: the reference
-  settle();
-  std::vector<Tensor> want;
-  for (auto& t : caches[kClaimCalls]) want.push_back(t.to(Device::cpu()));
-  expect_claimed_calls_match([&](int i, bool pdl, cudaStream_t st) { call(i, true, pdl, st); }, reset,
-                             [&](int i) { return caches[size_t(i)]; }, want, counters);
+  expect_claimed_calls_match(call, reset, [&](int i) { return caches[size_t(i)]; }, "M3RT_WRITER_CLAIM_PCT", pct,
+                             counters);
 }
 
 INSTANTIATE_TEST_SUITE_P(Claims, GpuClaims,

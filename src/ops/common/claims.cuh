@@ -1,12 +1,12 @@
 // Run-time work claims for the one-wave streaming kernels (the QK insert's quad kernel, the context
 // writer's half-warp kernel): a warp walks its units of work [first, claim_from) by a fixed
 // stride, then takes units of [claim_from, num) a claim at a time (one unit, or kGrain) from its
-// grid column's counter, so warps on SMs that stream faster take more of the tail (a static equal split waits for the slowest SMs:
-// docs/perf.md, "Session 50"). Each claim is issued one unit ahead of its use (lane 0's atomic;
-// the value is waited for only where that unit's copies are issued), so its round trip overlaps
-// the copies and the math of the unit before. The column's last warp to finish returns both of
-// its counters to zero, so a buffer that starts at zero is zero again after every completed
-// launch (a dependent launch's griddepcontrol.wait sees that too).
+// grid column's counter, so warps on SMs that stream faster take more of the tail (a static equal
+// split waits for the slowest SMs: docs/perf.md, "Session 50"). Each claim is issued one unit
+// ahead of its use (lane 0's atomic; the value is waited for only where that unit's copies are
+// issued), so its round trip overlaps the copies and the math of the unit before. The column's
+// last warp to finish returns both of its counters to zero, so a buffer that starts at zero is
+// zero again after every completed launch (a dependent launch's griddepcontrol.wait sees that too).
 //
 // Counters: claims[column] (claims taken past claim_from) and claims[columns + column] (the
 // column's warps that have finished), 32-bit.

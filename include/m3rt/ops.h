@@ -133,8 +133,10 @@ struct QknormRopeKvInsertArgs {
   // [>= kClaimCounterInts] on qkv's device, all zero before the first call (e.g. cudaMemset once);
   // every completed call leaves it zero again. With it, the warps of the one-wave kernel take the
   // last tokens one at a time instead of in equal shares, so SMs that stream faster take more
-  // (H100: T = 4096-16384 1.03-1.09x; docs/perf.md). Calls that may run at the same time (other
-  // streams, graphs replayed concurrently) need buffers of their own. Ignored on the CPU.
+  // (H100: T = 4096-16384 1.03-1.09x; docs/perf.md). One buffer serves every claiming call on a
+  // stream, of this op and the context writer alike (each leaves it zero; with enable_pdl a call
+  // touches it only after the previous kernel has completed); calls that may run at the same time
+  // (other streams, graphs replayed concurrently) need buffers of their own. Ignored on the CPU.
   TensorView claim_counters;
 };
 void qknorm_rope_kv_insert(const QknormRopeKvInsertArgs& args, stream_t stream = nullptr);

@@ -169,7 +169,7 @@ struct DsparkContextKvArgs {
   // the K/V projection, as QknormRopeKvInsertArgs::enable_pdl. Ignored on the CPU and other GPUs.
   bool enable_pdl = false;
   // Optional run-time claims, as QknormRopeKvInsertArgs::claim_counters (the same buffer rules),
-  // here for bf16 caches from 8192 tokens: the last 15% of the tokens handed out in claims of 8
+  // here for bf16 caches from 8192 tokens: the last 15% of the tokens handed out 8 tokens a claim
   // (H100: 1.03-1.05x). Ignored on the CPU.
   TensorView claim_counters;
 };

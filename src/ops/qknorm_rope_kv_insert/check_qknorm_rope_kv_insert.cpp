@@ -245,7 +245,7 @@ void check_qknorm_rope_kv_insert(CheckContext& c) {
   // instance stays static and leaves the counters alone), and claims forced at fewer tokens: every
   // token, 30% of a sparse row's, half of a row without insert.
   check_qk_variant(c, {64, 4, 64, 128, 2600, true, false, false, false, 1.f, 0, false, -1});
-  check_qk_variant(c, {16, 4, 32, 16, 2100, true, true, true, true, 0.5f, 0, false, -1});
+  check_qk_variant(c, {16, 4, 32, 16, 2100, true, true, false, true, 0.5f, 0, false, -1});
   check_qk_variant(c, {64, 4, 64, 128, 900, true, false, true, false, 1.f, 0, false, 100});
   check_qk_variant(c, {64, 4, 64, 128, 300, true, false, false, false, 1.f, 4, false, 30});
   check_qk_variant(c, {8, 1, 16, 16, 270, false, false, false, false, 1.f, 1, false, 50});

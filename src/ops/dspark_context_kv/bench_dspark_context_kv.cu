@@ -33,6 +33,7 @@ std::vector<BenchRow> bench_dspark_context_kv(const BenchEnv& env) {
   fill_uniform_bf16(w.data(), w.numel(), 8, -0.5f, 0.5f);
   Tensor claims = Tensor::empty({kClaimCounterInts}, DType::kInt32, Device::cuda());
   claims.fill_bytes(0);
+  M3RT_CUDA_CHECK(cudaDeviceSynchronize());  // the memset (legacy stream) lands before any use
   std::vector<int64_t> sizes = env.quick ? std::vector<int64_t>{7, 8192}
                                          : std::vector<int64_t>{1, 7, 64, 512, 8192, 32768};
   // M3RT_BENCH_WRITER_TOKENS (e.g. "8192,16384,32768"; investigation): only these num_ctx.

@@ -49,6 +49,7 @@ std::vector<BenchRow> bench_qknorm_rope_kv_insert(const BenchEnv& env) {
   Tensor ksd = ks.to(Device::cuda()), vsd = vs.to(Device::cuda());
   Tensor claims = Tensor::empty({kClaimCounterInts}, DType::kInt32, Device::cuda());
   claims.fill_bytes(0);
+  M3RT_CUDA_CHECK(cudaDeviceSynchronize());  // the memset (legacy stream) lands before any use
   struct Variant {
     bool fp8;  // fp8 main cache (and index cache), q only as e4m3
     int64_t T;

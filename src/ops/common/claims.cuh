@@ -15,10 +15,9 @@
 #include <climits>
 #include <cstdint>
 
-namespace m3rt::kernels {
+#include "ops/common/claims_rule.h"  // the launchers' side: claim_counters_needed, first_claimed_unit
 
-// Counters a launch with `columns` grid columns needs; the public buffer holds kClaimCounterInts.
-constexpr int64_t claim_counters_needed(int64_t columns) { return 2 * columns; }
+namespace m3rt::kernels {
 
 // One warp's walk. Every member but `pending` is warp-uniform; next() and finish() are called by
 // every lane of the warp together (they shuffle with the full mask). A claim takes kGrain units

@@ -320,11 +320,9 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
 constexpr int64_t kClaimMinTokens = 8192;
 constexpr int kClaimPercent = 15;
 int claim_from(const DsparkContextKvParams& p, unsigned columns) {
-  const int units = int((p.num_ctx + 1) / 2);
-  if (p.claims == nullptr || p.fp8 || kernels::claim_counters_needed(columns) > kClaimCounterInts) return units;
-  const int forced = detail::env_int("M3RT_WRITER_CLAIM_PCT", -1);
-  const int pct = forced >= 0 ? std::min(forced, 100) : p.num_ctx >= kClaimMinTokens ? kClaimPercent : 0;
-  return units - int(int64_t(units) * pct / 100);
+  return int(kernels::first_claimed_unit(p.claims != nullptr, !p.fp8, (p.num_ctx + 1) / 2, columns,
+                                         detail::env_int("M3RT_WRITER_CLAIM_PCT", -1), p.num_ctx >= kClaimMinTokens,
+                                         kClaimPercent));
 }
 
 template <int kRotaryDim, bool kFp8>

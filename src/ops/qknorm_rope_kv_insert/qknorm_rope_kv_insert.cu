@@ -406,12 +406,9 @@ __global__ void __launch_bounds__(kHalfThreads, half_blocks_per_sm(kInsert))
 constexpr int64_t kClaimMinTokens = 2048;
 constexpr int kClaimPercent = 15;
 int claim_from(const QknormRopeKvInsertParams& p, int64_t T, unsigned columns) {
-  if (p.claims == nullptr || p.insert == QkvInsertMode::kFp8 ||
-      kernels::claim_counters_needed(columns) > kClaimCounterInts)
-    return int(T);
-  const int forced = detail::env_int("M3RT_QK_CLAIM_PCT", -1);
-  const int pct = forced >= 0 ? std::min(forced, 100) : T >= kClaimMinTokens ? kClaimPercent : 0;
-  return int(T - T * pct / 100);
+  return int(kernels::first_claimed_unit(p.claims != nullptr, p.insert != QkvInsertMode::kFp8, T, columns,
+                                         detail::env_int("M3RT_QK_CLAIM_PCT", -1), T >= kClaimMinTokens,
+                                         kClaimPercent));
 }
 
 template <int kRotaryDim, QkvInsertMode kInsert>

@@ -3,8 +3,9 @@
 // sparse rows (index_q to index_q_out only, index_k in place and into the index cache, skipped for
 // index slot < 0, bf16 or unscaled e4m3 with saturation); argument validation (bad arguments, the
 // index arguments, out-of-range slot, index slot or position that must throw before anything is
-// written).
+// written); the run-time claims' rule (ops/common/claims_rule.h), shared with the context writer.
 // Shared helpers: tests/test_util.h.
+#include "ops/common/claims_rule.h"
 #include "test_util.h"
 
 namespace {
@@ -303,6 +304,26 @@ TEST(QknormRopeKvInsertCpu, Fp8IndexEqualsCastOfBf16Index) {
   EXPECT_EQ(iq8.ptr<uint8_t>()[100], 0x7E);
   EXPECT_EQ(iq8.ptr<uint8_t>()[nidx * 128 + 100], 0xFE);
   EXPECT_EQ(ic8.ptr<uint8_t>()[islots[2] * 128 + 100], 0x7E);
+}
+
+// The run-time claims' rule the QK insert's and the context writer's launchers share
+// (ops/common/claims_rule.h): which unit a launch claims from.
+TEST(ClaimRule, FirstClaimedUnit) {
+  using m3rt::kernels::first_claimed_unit;
+  // The QK insert's rule: 15% of the tokens from 2048 (T = 2600: tokens 2210..2599 claimed).
+  EXPECT_EQ(first_claimed_unit(true, true, 2600, 9, -1, true, 15), 2210);
+  EXPECT_EQ(first_claimed_unit(true, true, 1792, 9, -1, false, 15), 1792);  // below the threshold
+  EXPECT_EQ(first_claimed_unit(false, true, 2600, 9, -1, true, 15), 2600);  // no counters
+  EXPECT_EQ(first_claimed_unit(true, false, 2600, 9, -1, true, 15), 2600);  // fp8: never
+  // The writer's: token pairs (n = 8200: 4100 pairs, 3485..4099 claimed).
+  EXPECT_EQ(first_claimed_unit(true, true, 4100, 20, -1, true, 15), 3485);
+  // A forced share (M3RT_*_CLAIM_PCT) at any size, capped at 100%; 0 claims none.
+  EXPECT_EQ(first_claimed_unit(true, true, 151, 6, 15, false, 15), 129);
+  EXPECT_EQ(first_claimed_unit(true, true, 300, 6, 250, false, 15), 0);
+  EXPECT_EQ(first_claimed_unit(true, true, 3000, 6, 0, true, 15), 3000);
+  // More grid columns than the buffer's counters serve (2 a column): the static split.
+  EXPECT_EQ(first_claimed_unit(true, true, 2600, m3rt::kClaimCounterInts / 2, -1, true, 15), 2210);
+  EXPECT_EQ(first_claimed_unit(true, true, 2600, m3rt::kClaimCounterInts / 2 + 1, -1, true, 15), 2600);
 }
 
 // ---- argument validation ------------------------------------------------------------------------

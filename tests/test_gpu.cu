@@ -714,8 +714,8 @@ INSTANTIATE_TEST_SUITE_P(Claims, GpuWriterFp8Claims,
                          ::testing::Values(std::tuple{-1, int64_t(32800)}, std::tuple{100, int64_t(8200)},
                                            std::tuple{30, int64_t(300)}),
                          [](const auto& info) {
-                           return std::string(std::get<0>(info.param) < 0 ? "rule" : "pct")
-                               .append(std::to_string(std::max(std::get<0>(info.param), 0)))
+                           const int pct = std::get<0>(info.param);
+                           return (pct < 0 ? std::string("rule") : std::string("pct").append(std::to_string(pct)))
                                .append("_n")
                                .append(std::to_string(std::get<1>(info.param)));
                          });

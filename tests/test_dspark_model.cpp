@@ -21,6 +21,7 @@
 #include "m3rt/dspark_model.h"
 #include "m3rt/error.h"
 #include "model/dspark_oracle.h"
+#include "core/scoped_env.h"
 #include "core/temp_dir.h"
 
 namespace {
@@ -385,6 +386,32 @@ TEST(DsparkModelGpu, RandomWeightsMatchTheCpuModel) {
   }
   EXPECT_GT(mx, 0.0);
   EXPECT_LE(err, 0.02 * mx);
+}
+
+// A long context (8300 rows: the writer's run-time claims, from 8192 tokens, on the model's counters)
+// writes the caches a static split writes (M3RT_WRITER_CLAIM_PCT=0), bitwise; then again with other
+// hidden states (the counters reset by the first call).
+TEST(DsparkModelGpu, LongPrecomputeWithClaimsEqualsTheStaticSplitBitwise) {
+  REQUIRE_GPU();
+  const DsparkConfig cfg = tiny_dspark_config(DsparkQuant::kBFloat16);
+  const int max_blocks = 40;
+  const std::vector<int64_t> ctx = {5000, 3300};
+  const DsparkModelOptions o{.num_cache_blocks = 2 * max_blocks, .device = Device::cuda(), .max_batch = 2};
+  DsparkModel claimed(cfg, o, 31), fixed(cfg, o, 31);
+  for (uint64_t seed : {8, 9}) {
+    {
+      const detail::ScopedEnv no_claims("M3RT_WRITER_CLAIM_PCT", "0");
+      fill_context(fixed, ctx, max_blocks, seed);
+    }
+    fill_context(claimed, ctx, max_blocks, seed);
+    for (int l = 0; l < cfg.num_layers; ++l) {
+      const Tensor a = claimed.kv_cache(l).to(Device::cpu()), b = fixed.kv_cache(l).to(Device::cpu());
+      int64_t written = 0;  // context rows' K and V elements: rarely 0
+      for (int64_t i = 0; i < b.numel(); ++i) written += b.ptr<uint16_t>()[i] != 0;
+      EXPECT_GE(written, 8300 * cfg.num_kv_heads * 256 * 9 / 10) << "layer " << l;
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), size_t(a.nbytes())), 0) << "seed " << seed << ", layer " << l;
+    }
+  }
 }
 
 TEST(DsparkModelGpu, GraphReplayEqualsEagerBitwise) {

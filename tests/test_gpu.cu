@@ -655,10 +655,8 @@ TEST_P(GpuClaims, QkInsertCallsWriteWhatTheStaticSplitWritesAndLeaveTheCountersZ
                              "M3RT_QK_CLAIM_PCT", pct, counters);
 }
 
-TEST_P(GpuClaims, WriterCallsWriteWhatTheStaticSplitWritesAndLeaveTheCountersZero) {
-  REQUIRE_GPU();
-  const auto [pct, small] = GetParam();
-  const int64_t n = small ? 300 : 8200;
+// The writer's claims at n tokens into bf16 or fp8 (e4m3, scales 0.5 / 2) caches.
+void expect_writer_claims_match(int pct, int64_t n, bool fp8) {
   constexpr int L = 2, nkv = 2, rot = 64, bs = 64;
   constexpr int64_t max_pos = 16384;
   const int64_t nb = (n + bs - 1) / bs + 3;
@@ -669,14 +667,14 @@ TEST_P(GpuClaims, WriterCallsWriteWhatTheStaticSplitWritesAndLeaveTheCountersZer
   const ClaimCallInputs in(n, max_pos, rot, nb * bs, 7, rng);
   const Tensor &table = in.table, &positions = in.positions, &slots = in.slots, &counters = in.counters;
   // Call i's own caches and writer (the last: the static reference's).
-  const Tensor one = detail::scalar_f32(1.f).to(g);
+  const Tensor k_scale = detail::scalar_f32(fp8 ? 0.5f : 1.f).to(g), v_scale = detail::scalar_f32(fp8 ? 2.f : 1.f).to(g);
   std::vector<std::vector<Tensor>> caches(kClaimCalls + 1);
   std::vector<std::unique_ptr<DsparkContextKvWriter>> writers;
   for (auto& c : caches) {
     std::vector<DsparkDraftLayerKv> layers;
     for (int l = 0; l < L; ++l) {
-      c.push_back(Tensor::empty({nb, nkv, bs, 256}, DType::kBFloat16, g));
-      layers.push_back({c.back(), KvCacheDtype::kAuto, one, one});
+      c.push_back(Tensor::empty({nb, nkv, bs, 256}, fp8 ? DType::kUInt8 : DType::kBFloat16, g));
+      layers.push_back({c.back(), fp8 ? KvCacheDtype::kFp8E4M3 : KvCacheDtype::kAuto, k_scale, v_scale});
     }
     writers.push_back(std::make_unique<DsparkContextKvWriter>(layers));
   }
@@ -694,6 +692,33 @@ TEST_P(GpuClaims, WriterCallsWriteWhatTheStaticSplitWritesAndLeaveTheCountersZer
   expect_claimed_calls_match(call, reset, [&](int i) { return caches[size_t(i)]; }, "M3RT_WRITER_CLAIM_PCT", pct,
                              counters);
 }
+
+TEST_P(GpuClaims, WriterCallsWriteWhatTheStaticSplitWritesAndLeaveTheCountersZero) {
+  REQUIRE_GPU();
+  const auto [pct, small] = GetParam();
+  expect_writer_claims_match(pct, small ? 300 : 8200, false);
+}
+
+// fp8 caches: the rule at 32800 tokens (claims in the half-warp kernel on GPUs with less DRAM
+// bandwidth an SM than the H200; the quad kernel there, which never claims), every pair claimed at
+// 8200 and 30% at 300 tokens (the half-warp kernel on every GPU).
+class GpuWriterFp8Claims : public ::testing::TestWithParam<std::tuple<int, int64_t>> {};
+
+TEST_P(GpuWriterFp8Claims, CallsWriteWhatTheStaticSplitWritesAndLeaveTheCountersZero) {
+  REQUIRE_GPU();
+  const auto [pct, n] = GetParam();
+  expect_writer_claims_match(pct, n, true);
+}
+
+INSTANTIATE_TEST_SUITE_P(Claims, GpuWriterFp8Claims,
+                         ::testing::Values(std::tuple{-1, int64_t(32800)}, std::tuple{100, int64_t(8200)},
+                                           std::tuple{30, int64_t(300)}),
+                         [](const auto& info) {
+                           const int pct = std::get<0>(info.param);
+                           return (pct < 0 ? std::string("rule") : std::string("pct").append(std::to_string(pct)))
+                               .append("_n")
+                               .append(std::to_string(std::get<1>(info.param)));
+                         });
 
 INSTANTIATE_TEST_SUITE_P(Claims, GpuClaims,
                          ::testing::Values(std::tuple{-1, false}, std::tuple{100, false}, std::tuple{100, true}),

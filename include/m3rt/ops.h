@@ -169,8 +169,9 @@ struct DsparkContextKvArgs {
   // the K/V projection, as QknormRopeKvInsertArgs::enable_pdl. Ignored on the CPU and other GPUs.
   bool enable_pdl = false;
   // Optional run-time claims, as QknormRopeKvInsertArgs::claim_counters (the same buffer rules),
-  // here for bf16 caches from 8192 tokens: the last 15% of the tokens handed out 8 tokens a claim
-  // (H100: 1.03-1.05x). Ignored on the CPU.
+  // here for bf16 caches from 8192 tokens and fp8 caches from 32768 (in the half-warp kernel: not
+  // on GPUs with the H200's DRAM bandwidth an SM): the last 15% of the tokens handed out 8 tokens a
+  // claim (H100: bf16 1.03-1.05x, fp8 1.045x). Ignored on the CPU.
   TensorView claim_counters;
 };
 

@@ -118,6 +118,7 @@ struct Work {
   int64_t R = 0, T = 0;
   TensorView ids, pos, slots, lens, lists, table;
   TensorView h, residual, x, qkv, q, attn, o, gate_up, act, head, logits;
+  TensorView claims;  // the GPU's claim counters (GpuState::claims); none on the CPU
   MsaDecodePlan* plan = nullptr;
 };
 
@@ -152,6 +153,9 @@ struct GpuState {
   Tensor ids, pos, slots, lens, lists, prev, e, errors;
   Tensor h, residual, x, qkv, q, attn, o, gate_up, act, head, logits, bias, mlog, part_key, part_idx, counters, tokens, conf;
   Tensor pre_states, pre_x, pre_kv;  // precompute scratch, grown on demand
+  // The context writer's and the QK insert's claim counters (ops.h, claim_counters): zeros that every
+  // call leaves zero; one buffer serves them all, as every call runs on stream s (graphs included).
+  Tensor claims;
   std::map<int64_t, std::unique_ptr<MsaDecodePlan>> plans;
   std::map<int64_t, cudaGraphExec_t> graphs;
 };
@@ -434,7 +438,8 @@ void DsparkModel::Impl::forward(const Work& w, stream_t s) {
     qknorm_rope_kv_insert({.qkv = w.qkv, .q_norm_weight = L.q_norm, .k_norm_weight = L.k_norm, .cos_sin_cache = cos_sin,
                            .positions = w.pos, .num_heads = c.num_heads, .num_kv_heads = c.num_kv_heads,
                            .rotary_dim = c.rotary_dim, .eps = eps, .q_out = w.q, .slot_mapping = w.slots,
-                           .kv_cache = caches[size_t(l)], .kv_cache_dtype = kd, .k_scale = k_scale, .v_scale = v_scale},
+                           .kv_cache = caches[size_t(l)], .kv_cache_dtype = kd, .k_scale = k_scale, .v_scale = v_scale,
+                           .claim_counters = w.claims},
                           s);
     const TensorView q3 = TensorView::contiguous(w.q.data, DType::kBFloat16, {T, c.num_heads, D}, dev);
     w.plan->run({.q = q3, .cache = {caches[size_t(l)], kd, k_scale, v_scale}, .topk = w.lists, .seq_lens = w.lens,
@@ -723,6 +728,9 @@ void DsparkModel::Impl::init_gpu() {
   g.part_key = make({B, chunks}, i64)  /* doubles */, g.part_idx = make({B, chunks}, i32);
   g.counters = make({B}, i32);
   g.tokens = make({B, N}, i32), g.conf = make({B, N}, DType::kFloat32);
+  g.claims = make({kClaimCounterInts}, i32);
+  // The zeros above were set on the legacy stream, which a non-blocking stream does not wait for.
+  M3RT_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 Work DsparkModel::Impl::gpu_work(int64_t P) {
@@ -743,6 +751,7 @@ Work DsparkModel::Impl::gpu_work(int64_t P) {
   w.h = rows(g.h, T), w.residual = rows(g.residual, T), w.x = rows(g.x, T), w.qkv = rows(g.qkv, T);
   w.q = rows(g.q, T), w.attn = rows(g.attn, T), w.o = rows(g.o, T), w.gate_up = rows(g.gate_up, T);
   w.act = rows(g.act, T), w.head = rows(g.head, T), w.logits = rows(g.logits, T);
+  w.claims = g.claims;
   return w;
 }
 
@@ -885,7 +894,7 @@ void DsparkModel::Impl::precompute_gpu(const TensorView& hidden, const TensorVie
   const TensorView kv5 =
       TensorView::contiguous(all_kv.data, DType::kBFloat16, {T, c.num_layers, 2, c.num_kv_heads, c.head_dim}, dev);
   (*writer)({.all_kv = kv5, .k_norm_weight = k_norm_all, .eps = c.rms_norm_eps, .positions = positions,
-             .cos_sin_cache = cos_sin, .rotary_dim = c.rotary_dim, .slot_mapping = slots},
+             .cos_sin_cache = cos_sin, .rotary_dim = c.rotary_dim, .slot_mapping = slots, .claim_counters = g.claims},
             s);
   M3RT_CUDA_CHECK(cudaEventRecord(g.pre[1], s));
   g.pre_timed = true;

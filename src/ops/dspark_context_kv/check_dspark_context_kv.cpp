@@ -131,11 +131,12 @@ void check_dspark_context_kv_write(CheckContext& c) {
   check_writer_variant(c, {true, 1, 2, 128, 32, 777, true});
   // Run-time claims (claim_counters) in the half-warp kernel, bf16 caches, 4 token pairs a claim:
   // the library's rule from 8192 tokens, every pair claimed at an odd count (the last pair one
-  // token), 15% of 151 pairs (a last claim of 2 pairs); an fp8 call given counters (it never
-  // claims: they must stay zero).
+  // token), 15% of 151 pairs (a last claim of 2 pairs); fp8 at 30%, and by the rule from 32768
+  // tokens (claimed on GPUs where the half-warp kernel takes e4m3 there; the quad kernel never claims).
   check_writer_variant(c, {false, 2, 2, 64, 64, 8200, false, -1});
   check_writer_variant(c, {false, 5, 4, 128, 64, 4101, false, 100});
   check_writer_variant(c, {true, 2, 2, 64, 32, 2999, false, 30});
+  check_writer_variant(c, {true, 1, 2, 64, 64, 32800, false, -1});
   check_writer_variant(c, {false, 3, 2, 64, 16, 301, false, 15});
 }
 

@@ -309,8 +309,10 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
 
 // The half-warp kernel's first claimed unit (token pair; claims.cuh), the unit count when it claims
 // none: the last kClaimPercent% of the pairs, kClaimGrain pairs a claim, from kClaimMinTokens tokens
-// with the caller's counters and a bf16 cache (fp8 never: on an H100, session 51, claims of one
-// pair ran fp8 n = 8192-32768 0.92-0.96x) and at most kClaimCounterInts / 2 (layer, kv head) pairs.
+// (bf16 caches) or kClaimMinTokensFp8 (fp8: on an H100, session 51, claims of 4 pairs ran fp8
+// n = 8192 / 16384 / 32768 0.94 / 1.00-1.01 / 1.055x, claims of one pair 0.92-0.96x) with the
+// caller's counters and at most kClaimCounterInts / 2 (layer, kv head) pairs. fp8 calls that take
+// the quad kernel (kQuadMinTokens tokens on GPUs with the H200's DRAM bandwidth an SM) never claim.
 // M3RT_WRITER_CLAIM_PCT=P (investigation) claims P% at any token count (0: none). H100, session 51
 // (bench/results/h100-s51-writer-claims.txt), bf16 against the static split: 15% in claims of 4
 // pairs n = 8192 / 16384 / 32768 1.03 / 1.05 / 1.05x; claims of 1 pair gained 1.01-1.03x at 5%
@@ -318,10 +320,12 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
 // 10% in claims of 2 or 4 1.02-1.05x, 20% in claims of 8 1.00-1.05x; below 8192 tokens every form
 // lost (n = 2048 0.80-0.85x, n = 4096 0.94-0.96x).
 constexpr int64_t kClaimMinTokens = 8192;
+constexpr int64_t kClaimMinTokensFp8 = 32768;
 constexpr int kClaimPercent = 15;
 int claim_from(const DsparkContextKvParams& p, unsigned columns) {
-  return int(kernels::first_claimed_unit(p.claims != nullptr, !p.fp8, (p.num_ctx + 1) / 2, columns,
-                                         detail::env_int("M3RT_WRITER_CLAIM_PCT", -1), p.num_ctx >= kClaimMinTokens,
+  const int64_t min_tokens = p.fp8 ? kClaimMinTokensFp8 : kClaimMinTokens;
+  return int(kernels::first_claimed_unit(p.claims != nullptr, true, (p.num_ctx + 1) / 2, columns,
+                                         detail::env_int("M3RT_WRITER_CLAIM_PCT", -1), p.num_ctx >= min_tokens,
                                          kClaimPercent));
 }
 
@@ -352,11 +356,9 @@ void launch(const DsparkContextKvParams& p, cudaStream_t stream) {
                                           int64_t(detail::multiprocessor_count()) * kMinBlocksPerSm);
   DsparkContextKvParams pc = p;
   pc.claim_from = claim_from(p, grid.x);
-  if constexpr (!kFp8) {  // fp8: no claiming instance (claim_from is the unit count)
-    if (pc.claim_from < (p.num_ctx + 1) / 2) {
-      return kernels::launch_pdl_or_plain(dspark_context_kv_kernel<kRotaryDim, kFp8, true>, grid, kThreads, pc, p.pdl,
-                                          stream, "dspark_context_kv_kernel");
-    }
+  if (pc.claim_from < (p.num_ctx + 1) / 2) {
+    return kernels::launch_pdl_or_plain(dspark_context_kv_kernel<kRotaryDim, kFp8, true>, grid, kThreads, pc, p.pdl,
+                                        stream, "dspark_context_kv_kernel");
   }
   pc.claims = nullptr;
   kernels::launch_pdl_or_plain(dspark_context_kv_kernel<kRotaryDim, kFp8, false>, grid, kThreads, pc, p.pdl, stream,

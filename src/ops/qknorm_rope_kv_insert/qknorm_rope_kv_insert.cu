@@ -54,6 +54,12 @@ constexpr int kQuadWarps = kQuadThreads / 32;
 constexpr int kItemsPerQuadWarp = 32 / kernels::kQuadLanes;  // a quad per head item
 constexpr int kChunksPerHead = 128 / kernels::kDimsPerLane;
 constexpr int kQuadBlocksPerSm = 5;
+#ifndef M3RT_QK_FP8_QUAD_BLOCKS
+#define M3RT_QK_FP8_QUAD_BLOCKS 5
+#endif
+constexpr int quad_blocks_per_sm(QkvInsertMode m) {
+  return m == QkvInsertMode::kFp8 ? M3RT_QK_FP8_QUAD_BLOCKS : kQuadBlocksPerSm;
+}
 // Half-warp kernel: 256-thread blocks, a head item per warp, two tokens a step; 4 resident per SM
 // (up to 64 registers a thread), the fp8 insert, which also holds its quantizer, 3 (at 64 it spilled).
 constexpr int kHalfThreads = 256;
@@ -143,7 +149,7 @@ struct QuadWarpStage {
 };
 
 template <int kRotaryDim, QkvInsertMode kInsert, bool kClaims>
-__global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
+__global__ void __launch_bounds__(kQuadThreads, quad_blocks_per_sm(kInsert))
     qknorm_rope_quad_kernel(const __grid_constant__ QknormRopeKvInsertParams p) {
   using namespace kernels;
   constexpr bool kHasInsert = kInsert != QkvInsertMode::kNone;
@@ -406,7 +412,7 @@ __global__ void __launch_bounds__(kHalfThreads, half_blocks_per_sm(kInsert))
 constexpr int64_t kClaimMinTokens = 2048;
 constexpr int kClaimPercent = 15;
 int claim_from(const QknormRopeKvInsertParams& p, int64_t T, unsigned columns) {
-  return int(kernels::first_claimed_unit(p.claims != nullptr, p.insert != QkvInsertMode::kFp8, T, columns,
+  return int(kernels::first_claimed_unit(p.claims != nullptr, true, T, columns,
                                          detail::env_int("M3RT_QK_CLAIM_PCT", -1), T >= kClaimMinTokens,
                                          kClaimPercent));
 }
@@ -430,14 +436,12 @@ void launch(const QknormRopeKvInsertParams& p, cudaStream_t stream) {
     // on an H200 at T = 1792 one wave ran 20.8 us, two waves 23.8 us (docs/perf.md).
     const dim3 grid = detail::one_wave_grid((items + kItemsPerQuadWarp - 1) / kItemsPerQuadWarp,
                                             (T + kQuadWarps - 1) / kQuadWarps,
-                                            int64_t(detail::multiprocessor_count()) * kQuadBlocksPerSm);
+                                            int64_t(detail::multiprocessor_count()) * quad_blocks_per_sm(kInsert));
     QknormRopeKvInsertParams pc = p;
     pc.claim_from = claim_from(p, T, grid.x);
-    if constexpr (kInsert != QkvInsertMode::kFp8) {  // fp8: no claiming instance (claim_from is T)
-      if (pc.claim_from < T) {
-        return kernels::launch_pdl_or_plain(qknorm_rope_quad_kernel<kRotaryDim, kInsert, true>, grid, kQuadThreads,
-                                            pc, p.pdl, stream, "qknorm_rope_quad_kernel");
-      }
+    if (pc.claim_from < T) {
+      return kernels::launch_pdl_or_plain(qknorm_rope_quad_kernel<kRotaryDim, kInsert, true>, grid, kQuadThreads,
+                                          pc, p.pdl, stream, "qknorm_rope_quad_kernel");
     }
     pc.claims = nullptr;
     kernels::launch_pdl_or_plain(qknorm_rope_quad_kernel<kRotaryDim, kInsert, false>, grid, kQuadThreads, pc, p.pdl,

@@ -58,7 +58,8 @@ std::vector<BenchRow> bench_qknorm_rope_kv_insert(const BenchEnv& env) {
   };
   std::vector<Variant> variants;
   // M3RT_BENCH_QK_TOKENS (e.g. "1752,1792"; investigation): only the dense bf16 rows (q in place),
-  // once for each token count; the quad kernel's one-wave grid walks ceil(T / token lanes) steps.
+  // once for each token count (with M3RT_BENCH_QK_FP8=1 the fp8-cache rows, q as e4m3, instead);
+  // the quad kernel's one-wave grid walks ceil(T / token lanes) steps.
   if (const std::vector<int> tokens = env_int_list("M3RT_BENCH_QK_TOKENS", 1, 1 << 20, "token counts");
       !tokens.empty()) {
     const bool fp8 = detail::env_int("M3RT_BENCH_QK_FP8", 0) != 0;  // investigation: those rows with fp8 caches

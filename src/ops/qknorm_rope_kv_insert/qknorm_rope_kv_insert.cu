@@ -50,8 +50,9 @@ constexpr int64_t kQuadMinTokens = 256;
 // memory each). 6 (80 registers) spilled and ran 1.02x slower, 4 with the norm factors held in
 // registers 1.07x slower (H200, T = 1792). fp8 caches: 4 (up to 128 registers): at 96 the e4m3
 // instances spilled 8-16 bytes; at 4 blocks (121-128 registers, no spills) an H100 ran T = 448 /
-// 1792 / 4096 / 8192 / 16384 1.03-1.04 / 1.05 / 1.05-1.06 / 1.05 / 1.05-1.06x (session 52; not yet
-// measured on the H200).
+// 1024 / 1792 / 4096 / 8192 / 16384 1.03-1.04 / 1.01 / 1.05 / 1.05-1.06 / 1.05 / 1.05-1.06x, sparse
+// rows at T = 1792 1.02-1.04x (session 52, bench/results/h100-s52-qk-fp8.txt; not yet measured on
+// the H200).
 constexpr int kQuadThreads = 128;
 constexpr int kQuadWarps = kQuadThreads / 32;
 constexpr int kItemsPerQuadWarp = 32 / kernels::kQuadLanes;  // a quad per head item

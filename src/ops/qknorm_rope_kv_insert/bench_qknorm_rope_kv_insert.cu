@@ -58,10 +58,12 @@ std::vector<BenchRow> bench_qknorm_rope_kv_insert(const BenchEnv& env) {
   };
   std::vector<Variant> variants;
   // M3RT_BENCH_QK_TOKENS (e.g. "1752,1792"; investigation): only the dense bf16 rows (q in place),
-  // once for each token count; the quad kernel's one-wave grid walks ceil(T / token lanes) steps.
+  // once for each token count (with M3RT_BENCH_QK_FP8=1 the fp8-cache rows, q as e4m3, instead);
+  // the quad kernel's one-wave grid walks ceil(T / token lanes) steps.
   if (const std::vector<int> tokens = env_int_list("M3RT_BENCH_QK_TOKENS", 1, 1 << 20, "token counts");
       !tokens.empty()) {
-    for (int T : tokens) variants.push_back({false, T, false});
+    const bool fp8 = detail::env_int("M3RT_BENCH_QK_FP8", 0) != 0;  // investigation: those rows with fp8 caches
+    for (int T : tokens) variants.push_back({fp8, T, false});
   } else {
     for (bool sparse : {false, true}) {
       for (int64_t T : env.quick ? std::vector<int64_t>{56, 1792} : std::vector<int64_t>{7, 56, 448, 1792})

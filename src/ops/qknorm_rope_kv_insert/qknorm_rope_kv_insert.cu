@@ -48,12 +48,16 @@ constexpr int kStages = 3;  // the token (pair) being computed and two in flight
 constexpr int64_t kQuadMinTokens = 256;
 // Quad kernel: 128-thread blocks, 5 resident per SM (up to 96 registers a thread; 26 KB of shared
 // memory each). 6 (80 registers) spilled and ran 1.02x slower, 4 with the norm factors held in
-// registers 1.07x slower (H200, T = 1792).
+// registers 1.07x slower (H200, T = 1792). fp8 caches: 4 (up to 128 registers): at 96 the e4m3
+// instances spilled 8-16 bytes; at 4 blocks (121-128 registers, no spills) an H100 ran T = 448 /
+// 1024 / 1792 / 4096 / 8192 / 16384 1.03-1.04 / 1.01 / 1.05 / 1.05-1.06 / 1.05 / 1.05-1.06x, sparse
+// rows at T = 1792 1.02-1.04x (session 52, bench/results/h100-s52-qk-fp8.txt; not yet measured on
+// the H200).
 constexpr int kQuadThreads = 128;
 constexpr int kQuadWarps = kQuadThreads / 32;
 constexpr int kItemsPerQuadWarp = 32 / kernels::kQuadLanes;  // a quad per head item
 constexpr int kChunksPerHead = 128 / kernels::kDimsPerLane;
-constexpr int kQuadBlocksPerSm = 5;
+constexpr int quad_blocks_per_sm(QkvInsertMode insert) { return insert == QkvInsertMode::kFp8 ? 4 : 5; }
 // Half-warp kernel: 256-thread blocks, a head item per warp, two tokens a step; 4 resident per SM
 // (up to 64 registers a thread), the fp8 insert, which also holds its quantizer, 3 (at 64 it spilled).
 constexpr int kHalfThreads = 256;
@@ -143,7 +147,7 @@ struct QuadWarpStage {
 };
 
 template <int kRotaryDim, QkvInsertMode kInsert, bool kClaims>
-__global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
+__global__ void __launch_bounds__(kQuadThreads, quad_blocks_per_sm(kInsert))
     qknorm_rope_quad_kernel(const __grid_constant__ QknormRopeKvInsertParams p) {
   using namespace kernels;
   constexpr bool kHasInsert = kInsert != QkvInsertMode::kNone;
@@ -396,9 +400,12 @@ __global__ void __launch_bounds__(kHalfThreads, half_blocks_per_sm(kInsert))
 
 // The quad kernel's first claimed token (claims.cuh), T when it claims none: the last
 // kClaimPercent% of the tokens from kClaimMinTokens tokens, with the caller's counters, bf16 caches
-// or none and at most kClaimCounterInts / 2 grid columns. Not for fp8 caches: that instance spilled
-// with the claims' state (36-52 bytes) and ran T = 1792 0.92x (session 51). Calls that do not claim
-// run an instance without the claims' code (with it, at T = 448: 0.975x).
+// or none and at most kClaimCounterInts / 2 grid columns. Not for fp8 caches: at 5 blocks an SM that
+// instance spilled with the claims' state (36-52 bytes) and ran T = 1792 0.92x (session 51); at 4
+// (no spills) claims ran T = 2048 / 4096 / 8192 / 16384 0.91-0.92 / 0.94 / 0.95 / 0.96x against
+// the static split (H100, session 52): the e4m3 path is bound by its instructions, not by the
+// slowest SMs' streams. Calls that do not claim run an instance without the claims' code (with it,
+// at T = 448: 0.975x).
 // M3RT_QK_CLAIM_PCT=P (investigation) claims P% at any token count (0: none). On an H100 (session
 // 51, bench/results/h100-s51-qk-claims.txt) 15% ran T = 4096 / 8192 / 16384 1.03-1.05 / 1.06-1.08 /
 // 1.06-1.09x, T = 1792 and 2044 1.00-1.01x, and claims lost below (T = 1024 0.94-0.96x, T = 256
@@ -430,7 +437,7 @@ void launch(const QknormRopeKvInsertParams& p, cudaStream_t stream) {
     // on an H200 at T = 1792 one wave ran 20.8 us, two waves 23.8 us (docs/perf.md).
     const dim3 grid = detail::one_wave_grid((items + kItemsPerQuadWarp - 1) / kItemsPerQuadWarp,
                                             (T + kQuadWarps - 1) / kQuadWarps,
-                                            int64_t(detail::multiprocessor_count()) * kQuadBlocksPerSm);
+                                            int64_t(detail::multiprocessor_count()) * quad_blocks_per_sm(kInsert));
     QknormRopeKvInsertParams pc = p;
     pc.claim_from = claim_from(p, T, grid.x);
     if constexpr (kInsert != QkvInsertMode::kFp8) {  // fp8: no claiming instance (claim_from is T)

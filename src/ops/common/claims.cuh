@@ -15,7 +15,9 @@
 #include <climits>
 #include <cstdint>
 
+#include "core/cuda_check.h"        // env_int
 #include "ops/common/claims_rule.h"  // the launchers' side: claim_counters_needed, first_claimed_unit
+#include "ops/common/sm90.cuh"       // launch_pdl_or_plain
 
 namespace m3rt::kernels {
 
@@ -93,8 +95,8 @@ struct WarpUnitWalk {
 // The units of a warp's 3-stage pipeline: the one being computed and the two whose copies are in
 // flight. Used as: u0 = first(), u1 = second() (the prologue's copies), then per computed unit
 // copy(next_copy()) ... advance(), while current() < num; finish() after the loop.
-// UnitPipe<false>: the static stride alone (two counters, as the kernels had before claims: their
-// fp8 instances sit at their register limits); UnitPipe<true, kGrain>: WarpUnitWalk's units.
+// UnitPipe<false>: the static stride alone (two counters, as the kernels had before claims, so the
+// static instances keep their code and registers); UnitPipe<true, kGrain>: WarpUnitWalk's units.
 template <bool kClaims, int kGrain = 1>
 struct UnitPipe {
   int cur, copy, step;  // the unit computed, the next to copy
@@ -129,5 +131,21 @@ struct UnitPipe<true, kGrain> {
   __device__ __forceinline__ int current() const { return cur; }
   __device__ __forceinline__ void finish(int columns, unsigned warps) { walk.finish(columns, warps); }
 };
+
+// Host: one launch of a claiming op (params with claims, claim_from and pdl) over `units` units:
+// `claiming` when the call claims (counters given, the rule of first_claimed_unit, or the
+// investigation switch `pct_env` set), else `fixed` with claims cleared (the instance without the
+// claims' code). Ops without a claiming instance for a case pass `fixed` twice and claimable false.
+template <typename Params>
+void launch_claiming_or_fixed(void (*claiming)(Params), void (*fixed)(Params), dim3 grid, int threads, Params p,
+                              int64_t units, bool claimable, bool by_rule, int rule_pct, const char* pct_env,
+                              cudaStream_t stream, const char* name) {
+  p.claim_from = int(p.claims == nullptr ? units
+                                         : first_claimed_unit(true, claimable, units, grid.x,
+                                                              detail::env_int(pct_env, -1), by_rule, rule_pct));
+  if (p.claim_from < units) return launch_pdl_or_plain(claiming, grid, threads, p, p.pdl, stream, name);
+  p.claims = nullptr;
+  launch_pdl_or_plain(fixed, grid, threads, p, p.pdl, stream, name);
+}
 
 }  // namespace m3rt::kernels

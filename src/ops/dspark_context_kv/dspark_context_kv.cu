@@ -307,8 +307,8 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
   cp_async_wait<0>();
 }
 
-// The half-warp kernel's first claimed unit (token pair; claims.cuh), the unit count when it claims
-// none: the last kClaimPercent% of the pairs, kClaimGrain pairs a claim, from kClaimMinTokens tokens
+// The half-warp kernel's claims rule (claims.cuh, launch_claiming_or_fixed; a unit is a token
+// pair): the last kClaimPercent% of the pairs, kClaimGrain pairs a claim, from kClaimMinTokens tokens
 // (bf16 caches) or kClaimMinTokensFp8 (fp8: on an H100, session 51, claims of 4 pairs ran fp8
 // n = 8192 / 16384 / 32768 0.94 / 1.00-1.01 / 1.055x, claims of one pair 0.92-0.96x) with the
 // caller's counters and at most kClaimCounterInts / 2 (layer, kv head) pairs. fp8 calls that take
@@ -322,12 +322,6 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
 constexpr int64_t kClaimMinTokens = 8192;
 constexpr int64_t kClaimMinTokensFp8 = 32768;
 constexpr int kClaimPercent = 15;
-int claim_from(const DsparkContextKvParams& p, unsigned columns) {
-  const int64_t min_tokens = p.fp8 ? kClaimMinTokensFp8 : kClaimMinTokens;
-  return int(kernels::first_claimed_unit(p.claims != nullptr, true, (p.num_ctx + 1) / 2, columns,
-                                         detail::env_int("M3RT_WRITER_CLAIM_PCT", -1), p.num_ctx >= min_tokens,
-                                         kClaimPercent));
-}
 
 template <int kRotaryDim, bool kFp8>
 void launch(const DsparkContextKvParams& p, cudaStream_t stream) {
@@ -354,15 +348,11 @@ void launch(const DsparkContextKvParams& p, cudaStream_t stream) {
   }
   const dim3 grid = detail::one_wave_grid(pairs, (p.num_ctx + kTokensPerRun - 1) / kTokensPerRun,
                                           int64_t(detail::multiprocessor_count()) * kMinBlocksPerSm);
-  DsparkContextKvParams pc = p;
-  pc.claim_from = claim_from(p, grid.x);
-  if (pc.claim_from < (p.num_ctx + 1) / 2) {
-    return kernels::launch_pdl_or_plain(dspark_context_kv_kernel<kRotaryDim, kFp8, true>, grid, kThreads, pc, p.pdl,
-                                        stream, "dspark_context_kv_kernel");
-  }
-  pc.claims = nullptr;
-  kernels::launch_pdl_or_plain(dspark_context_kv_kernel<kRotaryDim, kFp8, false>, grid, kThreads, pc, p.pdl, stream,
-                               "dspark_context_kv_kernel");
+  const bool by_rule = p.num_ctx >= (kFp8 ? kClaimMinTokensFp8 : kClaimMinTokens);
+  kernels::launch_claiming_or_fixed(dspark_context_kv_kernel<kRotaryDim, kFp8, true>,
+                                    dspark_context_kv_kernel<kRotaryDim, kFp8, false>, grid, kThreads, p,
+                                    (p.num_ctx + 1) / 2, true, by_rule, kClaimPercent, "M3RT_WRITER_CLAIM_PCT", stream,
+                                    "dspark_context_kv_kernel");
 }
 
 }  // namespace

@@ -398,7 +398,7 @@ __global__ void __launch_bounds__(kHalfThreads, half_blocks_per_sm(kInsert))
   cp_async_wait<0>();
 }
 
-// The quad kernel's first claimed token (claims.cuh), T when it claims none: the last
+// The quad kernel's claims rule (claims.cuh, launch_claiming_or_fixed; a unit is a token): the last
 // kClaimPercent% of the tokens from kClaimMinTokens tokens, with the caller's counters, bf16 caches
 // or none and at most kClaimCounterInts / 2 grid columns. Not for fp8 caches: at 5 blocks an SM that
 // instance spilled with the claims' state (36-52 bytes) and ran T = 1792 0.92x (session 51); at 4
@@ -412,11 +412,6 @@ __global__ void __launch_bounds__(kHalfThreads, half_blocks_per_sm(kInsert))
 // 0.67x: the warps then all reach the counters at once); 10, 20 and 25% gained less.
 constexpr int64_t kClaimMinTokens = 2048;
 constexpr int kClaimPercent = 15;
-int claim_from(const QknormRopeKvInsertParams& p, int64_t T, unsigned columns) {
-  return int(kernels::first_claimed_unit(p.claims != nullptr, p.insert != QkvInsertMode::kFp8, T, columns,
-                                         detail::env_int("M3RT_QK_CLAIM_PCT", -1), T >= kClaimMinTokens,
-                                         kClaimPercent));
-}
 
 template <int kRotaryDim, QkvInsertMode kInsert>
 void launch(const QknormRopeKvInsertParams& p, cudaStream_t stream) {
@@ -438,17 +433,11 @@ void launch(const QknormRopeKvInsertParams& p, cudaStream_t stream) {
     const dim3 grid = detail::one_wave_grid((items + kItemsPerQuadWarp - 1) / kItemsPerQuadWarp,
                                             (T + kQuadWarps - 1) / kQuadWarps,
                                             int64_t(detail::multiprocessor_count()) * quad_blocks_per_sm(kInsert));
-    QknormRopeKvInsertParams pc = p;
-    pc.claim_from = claim_from(p, T, grid.x);
-    if constexpr (kInsert != QkvInsertMode::kFp8) {  // fp8: no claiming instance (claim_from is T)
-      if (pc.claim_from < T) {
-        return kernels::launch_pdl_or_plain(qknorm_rope_quad_kernel<kRotaryDim, kInsert, true>, grid, kQuadThreads,
-                                            pc, p.pdl, stream, "qknorm_rope_quad_kernel");
-      }
-    }
-    pc.claims = nullptr;
-    kernels::launch_pdl_or_plain(qknorm_rope_quad_kernel<kRotaryDim, kInsert, false>, grid, kQuadThreads, pc, p.pdl,
-                                 stream, "qknorm_rope_quad_kernel");
+    constexpr bool kClaimable = kInsert != QkvInsertMode::kFp8;  // fp8: no claiming instance is built
+    kernels::launch_claiming_or_fixed(qknorm_rope_quad_kernel<kRotaryDim, kInsert, kClaimable>,
+                                      qknorm_rope_quad_kernel<kRotaryDim, kInsert, false>, grid, kQuadThreads, p, T,
+                                      kClaimable, T >= kClaimMinTokens, kClaimPercent, "M3RT_QK_CLAIM_PCT", stream,
+                                      "qknorm_rope_quad_kernel");
   } else {
     // Enough blocks to fill the GPU once (each walks several steps), no more than there are steps.
     const dim3 grid = detail::one_wave_grid((items + kItemsPerHalfBlock - 1) / kItemsPerHalfBlock,

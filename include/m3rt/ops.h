@@ -125,8 +125,10 @@ struct QknormRopeKvInsertArgs {
   KvCacheDtype index_cache_dtype = KvCacheDtype::kAuto;  // auto/bfloat16 or fp8/fp8_e4m3
   // Hopper: launch as a programmatic dependent of the kernel before it on the stream (PDL), e.g.
   // the qkv projection: the CTAs are scheduled and start while that kernel finishes, and read
-  // nothing until it has completed (griddepcontrol.wait first); the grid is one wave, so it then
-  // lets the next kernel do the same at once. Ignored on the CPU, on other GPUs and in builds
+  // nothing that kernel may write until it has completed (griddepcontrol.wait); the norm weights
+  // and the cache scales, parameters that the kernel before must not write, may be read before it
+  // (the small-T kernel does, so their loads overlap that kernel's tail). The grid is one wave, so
+  // it then lets the next kernel do the same at once. Ignored on the CPU, on other GPUs and in builds
   // without sm_90a code. Graph capture keeps it (programmatic edges).
   bool enable_pdl = false;
   // Optional run-time claims (CUDA, bf16 cache or no insert, from 2048 tokens): int32
@@ -166,7 +168,8 @@ struct DsparkContextKvArgs {
   int rotary_dim = 0;        // 16, 32 or 64; must equal cos_sin_cache.shape[1]
   TensorView slot_mapping;   // [num_ctx] int64, shared by every layer
   // Hopper: launch as a programmatic dependent of the kernel before it on the stream (PDL), e.g.
-  // the K/V projection, as QknormRopeKvInsertArgs::enable_pdl. Ignored on the CPU and other GPUs.
+  // the K/V projection, as QknormRopeKvInsertArgs::enable_pdl (k_norm_weight and the layers'
+  // k_scale / v_scale may be read before the wait). Ignored on the CPU and other GPUs.
   bool enable_pdl = false;
   // Optional run-time claims, as QknormRopeKvInsertArgs::claim_counters (the same buffer rules),
   // here for bf16 caches from 8192 tokens and fp8 caches from 32768 (in the half-warp kernel: not

@@ -170,11 +170,15 @@ __device__ __forceinline__ void gemma_norm_head(float (&x)[8], const float (&w1)
 }
 
 // A lane's 8 norm factors 1 + w (fp32, rounded like the reference's 1.f + w) from its 8 bf16
-// weights.
-__device__ __forceinline__ void gemma_weight_lane(const __nv_bfloat16* w_lane, float (&w1)[8]) {
-  unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(w_lane)), w1);
+// weights, as loaded (`raw`: a PDL kernel issues the load before its grid-dependency wait and
+// converts after it) or from memory.
+__device__ __forceinline__ void gemma_weight_factors(const uint4& raw, float (&w1)[8]) {
+  unpack_bf16x8(raw, w1);
 #pragma unroll
   for (int i = 0; i < 8; ++i) w1[i] = __fadd_rn(1.f, w1[i]);
+}
+__device__ __forceinline__ void gemma_weight_lane(const __nv_bfloat16* w_lane, float (&w1)[8]) {
+  gemma_weight_factors(__ldg(reinterpret_cast<const uint4*>(w_lane)), w1);
 }
 
 // The cos/sin a lane needs for partial NeoX RoPE (R = kRotaryDim): dim i pairs with i + R/2 for

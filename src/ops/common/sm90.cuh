@@ -111,6 +111,25 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
+// Read-only loads that stay where the source puts them relative to grid_dependency_wait: a PDL
+// kernel's loads of parameters the preceding kernel does not write, issued before the wait so that
+// they overlap that kernel's tail. Volatile asm keeps its order among volatile asm in the compiler
+// (a plain __ldg may be sunk below the wait to its first use); ptxas, which schedules
+// griddepcontrol.wait ahead of independent loads in the same basic block, keeps them ahead only
+// if the wait is in a block of its own (`if (p.pdl) grid_dependency_wait();`, as the write ops'
+// half-warp kernels do: the wait is a no-op for a grid launched without PDL anyway).
+[[maybe_unused]] __device__ __forceinline__ uint4 ldg_before_wait(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+[[maybe_unused]] __device__ __forceinline__ float ldg_before_wait(const float* p) {
+  float v;
+  asm volatile("ld.global.nc.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
+  return v;
+}
 [[maybe_unused]] __device__ __forceinline__ void launch_dependents() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");

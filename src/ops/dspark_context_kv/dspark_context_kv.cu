@@ -46,7 +46,18 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     dspark_context_kv_kernel(const __grid_constant__ DsparkContextKvParams p) {
   using namespace kernels;
   __shared__ Stage stages[kStages];  // 8.25 KB each
-  grid_dependency_wait();  // launched with PDL (p.pdl): nothing is read before this
+  // Launched with PDL (p.pdl), the kernel waits for the preceding grid (griddepcontrol.wait) before
+  // it touches the call's inputs or the caches. The wait sits in a branch of its own (a no-op for a
+  // plain launch anyway), which keeps ptxas from scheduling it ahead of the code before it: for
+  // bf16 caches the block's index math; for e4m3 caches also the loads of the layer's norm weights
+  // and cache scales and the work on them — parameters, which the preceding kernel does not write
+  // (the API's rule, `enable_pdl`), so that they overlap its tail. H100, session 54: e4m3 n <= 64
+  // 1.23-1.47x with PDL and 1.07-1.12x without; bf16 with the weights before the wait too ran
+  // 1.09-1.10x at n = 1-7 with PDL but 0.995x at n = 64 and 0.96-0.98x without, with them after
+  // 1.04-1.06x with PDL and 1.00x without (docs/perf.md).
+  if constexpr (!kFp8) {
+    if (p.pdl) grid_dependency_wait();
+  }
   if (p.pdl) launch_dependents();  // one wave: the next grid's CTAs take the SMs this one leaves
   // blockIdx.x: one (layer, kv head) pair, fastest, so the blocks running together read whole
   // all_kv rows; blockIdx.y: the first of the runs of 16 tokens this block walks (stride
@@ -66,11 +77,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   const uint32_t offset_mask = (1u << p.block_size_log2) - 1;
   const auto* table = reinterpret_cast<const __nv_bfloat16*>(p.cos_sin);
   float w1[8];
-  gemma_weight_lane(reinterpret_cast<const __nv_bfloat16*>(p.k_norm_weight) + l * 128 + j * kDimsPerLane, w1);
   E4m3Quantizer k_q, v_q;
   if constexpr (kFp8) {
-    k_q = E4m3Quantizer(__ldg(p.scale0 + p.tables.scale_offsets[l]));
-    v_q = E4m3Quantizer(__ldg(p.scale0 + p.tables.scale_offsets[p.num_layers + l]));
+    const uint4 w_raw = ldg_before_wait(reinterpret_cast<const uint4*>(p.k_norm_weight + l * 128 + j * kDimsPerLane));
+    const float k_scale = ldg_before_wait(p.scale0 + p.tables.scale_offsets[l]);
+    const float v_scale = ldg_before_wait(p.scale0 + p.tables.scale_offsets[p.num_layers + l]);
+    gemma_weight_factors(w_raw, w1);
+    k_q = E4m3Quantizer(k_scale);
+    v_q = E4m3Quantizer(v_scale);
+    if (p.pdl) grid_dependency_wait();
+  } else {
+    gemma_weight_lane(reinterpret_cast<const __nv_bfloat16*>(p.k_norm_weight) + l * 128 + j * kDimsPerLane, w1);
   }
   // Each lane copies (and later reads) its own 16 bytes of the rows; lane 0 of a half-warp copies
   // the token's slot and position, read by the half-warp after a __syncwarp.

@@ -47,17 +47,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   using namespace kernels;
   __shared__ Stage stages[kStages];  // 8.25 KB each
   // Launched with PDL (p.pdl), the kernel waits for the preceding grid (griddepcontrol.wait) before
-  // it touches the call's inputs or the caches. The wait sits in a branch of its own (a no-op for a
-  // plain launch anyway), which keeps ptxas from scheduling it ahead of the code before it: for
-  // bf16 caches the block's index math; for e4m3 caches also the loads of the layer's norm weights
-  // and cache scales and the work on them — parameters, which the preceding kernel does not write
-  // (the API's rule, `enable_pdl`), so that they overlap its tail. H100, session 54: e4m3 n <= 64
-  // 1.23-1.47x with PDL and 1.07-1.12x without; bf16 with the weights before the wait too ran
-  // 1.09-1.10x at n = 1-7 with PDL but 0.995x at n = 64 and 0.96-0.98x without, with them after
-  // 1.04-1.06x with PDL and 1.00x without (docs/perf.md).
-  if constexpr (!kFp8) {
-    if (p.pdl) grid_dependency_wait();
-  }
+  // it touches the call's inputs or the caches. bf16 caches: first. e4m3 caches: after the block's
+  // index math and the loads of the layer's norm weights and cache scales and the work on them —
+  // parameters, which the preceding kernel does not write (the API's rule, `enable_pdl`), so that
+  // they overlap its tail; the wait sits in a branch of its own (a no-op for a plain launch anyway),
+  // which keeps ptxas from scheduling it ahead of them. H100, session 54: e4m3 n <= 64 1.23-1.47x
+  // with PDL and 1.07-1.12x without. bf16 with the wait in a branch after the index math ran
+  // 1.04-1.06x with PDL and 1.00x without (branch `s54-pdl-wait`, not yet checked on a GPU), with
+  // the weights before it too 1.09-1.10x at n = 1-7 but 0.995x at n = 64 and 0.96-0.98x plain.
+  if constexpr (!kFp8) grid_dependency_wait();
   if (p.pdl) launch_dependents();  // one wave: the next grid's CTAs take the SMs this one leaves
   // blockIdx.x: one (layer, kv head) pair, fastest, so the blocks running together read whole
   // all_kv rows; blockIdx.y: the first of the runs of 16 tokens this block walks (stride

@@ -47,14 +47,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   using namespace kernels;
   __shared__ Stage stages[kStages];  // 8.25 KB each
   // Launched with PDL (p.pdl), the kernel waits for the preceding grid (griddepcontrol.wait) before
-  // it touches the call's inputs or the caches. bf16 caches: first. e4m3 caches: after the block's
-  // index math and the loads of the layer's norm weights and cache scales and the work on them —
-  // parameters, which the preceding kernel does not write (the API's rule, `enable_pdl`), so that
-  // they overlap its tail; the wait sits in a branch of its own (a no-op for a plain launch anyway),
-  // which keeps ptxas from scheduling it ahead of them. H100, session 54: e4m3 n <= 64 1.23-1.47x
-  // with PDL and 1.07-1.12x without. bf16 with the wait in a branch after the index math ran
-  // 1.04-1.06x with PDL and 1.00x without (branch `s54-pdl-wait`, not yet checked on a GPU), with
-  // the weights before it too 1.09-1.10x at n = 1-7 but 0.995x at n = 64 and 0.96-0.98x plain.
+  // it touches the call's inputs or the caches: bf16 caches first; e4m3 caches after the index math
+  // and the layer's norm weights and cache scales (parameters the preceding kernel does not write,
+  // `enable_pdl`), in a branch of its own so that ptxas keeps it after them (README, "Programmatic
+  // dependent launch", for the forms measured).
   if constexpr (!kFp8) grid_dependency_wait();
   if (p.pdl) launch_dependents();  // one wave: the next grid's CTAs take the SMs this one leaves
   // blockIdx.x: one (layer, kv head) pair, fastest, so the blocks running together read whole
@@ -74,10 +70,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   const uint32_t block_bytes = uint32_t(p.stride_cache_block) * kElemBytes;
   const uint32_t offset_mask = (1u << p.block_size_log2) - 1;
   const auto* table = reinterpret_cast<const __nv_bfloat16*>(p.cos_sin);
+  const uint16_t* const w_lane = p.k_norm_weight + l * 128 + j * kDimsPerLane;  // this lane's 8 weights
   float w1[8];
   E4m3Quantizer k_q, v_q;
   if constexpr (kFp8) {
-    const uint4 w_raw = ldg_before_wait(reinterpret_cast<const uint4*>(p.k_norm_weight + l * 128 + j * kDimsPerLane));
+    const uint4 w_raw = ldg_before_wait(reinterpret_cast<const uint4*>(w_lane));
     const float k_scale = ldg_before_wait(p.scale0 + p.tables.scale_offsets[l]);
     const float v_scale = ldg_before_wait(p.scale0 + p.tables.scale_offsets[p.num_layers + l]);
     gemma_weight_factors(w_raw, w1);
@@ -85,7 +82,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     v_q = E4m3Quantizer(v_scale);
     if (p.pdl) grid_dependency_wait();
   } else {
-    gemma_weight_lane(reinterpret_cast<const __nv_bfloat16*>(p.k_norm_weight) + l * 128 + j * kDimsPerLane, w1);
+    gemma_weight_lane(reinterpret_cast<const __nv_bfloat16*>(w_lane), w1);
   }
   // Each lane copies (and later reads) its own 16 bytes of the rows; lane 0 of a half-warp copies
   // the token's slot and position, read by the half-warp after a __syncwarp.

@@ -330,11 +330,10 @@ __global__ void __launch_bounds__(kHalfThreads, half_blocks_per_sm(kInsert))
   const uint16_t* norm_w = is_q ? p.q_norm_weight : !is_index ? p.k_norm_weight
                            : is_iq ? p.index_q_norm_weight : p.index_k_norm_weight;
   // Launched with PDL (p.pdl), the kernel reads only the item's norm weights and (e4m3) cache scale
-  // before its grid-dependency wait — parameters, which the preceding kernel does not write (the
-  // API's rule, `enable_pdl`) — and works on them there, so that this overlaps that kernel's tail;
-  // qkv, the indices and the caches are touched only after the wait. The wait sits in a branch of
-  // its own (a no-op for a plain launch anyway), which keeps ptxas from scheduling it ahead of the
-  // loads (H100, session 54: T = 7 / 56 1.11 / 1.08x with PDL, 1.01-1.02x without; docs/perf.md).
+  // before its grid-dependency wait — parameters the preceding kernel does not write (`enable_pdl`)
+  // — so that their loads overlap that kernel's tail; qkv, the indices and the caches are touched
+  // only after it. The wait sits in a branch of its own so that ptxas keeps it after the loads
+  // (README, "Programmatic dependent launch").
   uint4 w_raw{};
   if (!is_v) w_raw = ldg_before_wait(reinterpret_cast<const uint4*>(norm_w + j * kDimsPerLane));
   float scale = 1.f;

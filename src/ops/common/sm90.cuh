@@ -116,8 +116,7 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 // they overlap that kernel's tail. Volatile asm keeps its order among volatile asm in the compiler
 // (a plain __ldg may be sunk below the wait to its first use); ptxas, which schedules
 // griddepcontrol.wait ahead of independent loads in the same basic block, keeps them ahead only
-// if the wait is in a block of its own (`if (p.pdl) grid_dependency_wait();`, as the write ops'
-// half-warp kernels do: the wait is a no-op for a grid launched without PDL anyway).
+// if the wait is in a block of its own: grid_dependency_wait_after_loads.
 [[maybe_unused]] __device__ __forceinline__ uint4 ldg_before_wait(const uint4* p) {
   uint4 v;
   asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -129,6 +128,11 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   float v;
   asm volatile("ld.global.nc.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
   return v;
+}
+// The wait that follows ldg_before_wait loads: in a branch (its own basic block, so that ptxas
+// keeps it after them), taken only by a PDL launch (for others the wait is a no-op anyway).
+[[maybe_unused]] __device__ __forceinline__ void grid_dependency_wait_after_loads(bool pdl) {
+  if (pdl) grid_dependency_wait();
 }
 [[maybe_unused]] __device__ __forceinline__ void launch_dependents() {
 #if __CUDA_ARCH__ >= 900

@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     gemma_weight_factors(w_raw, w1);
     k_q = E4m3Quantizer(k_scale);
     v_q = E4m3Quantizer(v_scale);
-    if (p.pdl) grid_dependency_wait();
+    grid_dependency_wait_after_loads(p.pdl);
   } else {
     gemma_weight_lane(reinterpret_cast<const __nv_bfloat16*>(w_lane), w1);
   }

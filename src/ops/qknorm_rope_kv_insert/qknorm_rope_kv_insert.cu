@@ -346,7 +346,7 @@ __global__ void __launch_bounds__(kHalfThreads, half_blocks_per_sm(kInsert))
   if constexpr (kFp8) {
     if (!is_index) quant = E4m3Quantizer(scale);
   }
-  if (p.pdl) grid_dependency_wait();
+  grid_dependency_wait_after_loads(p.pdl);
   // This lane's 8 elements of the item's head in token 0's qkv row; of its kv head's cache row
   // half at slot 0 (main items with an insert).
   uint16_t* const qkv_lane = p.qkv + int64_t(col) * 128 + j * kDimsPerLane;

@@ -18,16 +18,26 @@
 //     Q q_out: q to a separate output (the drafter's call);
 //     QB: the QK insert's bytes token-major by bulk copies (a whole qkv row in, q and k back as one
 //     bulk store); E2 in place: the contiguous copy writing each word back where it was read.
+//   engine (first, and alone with the argument `engine`): which engine runs cudaMemcpyAsync (a
+//     stream copy and a graph copy node, beside a grid that holds every SM), and a sweep of
+//     contiguous SM copies (E3: 1-8 loads in flight a thread, with and without the streaming
+//     hints, 1-8 blocks an SM) against the memcpy at the writer's n = 8192 / 32768 copy sizes.
 // Results (H200, 2026-12-01) are in docs/perf.md: the writer's pattern tops out at 86-88% of the
 // memcpy rate, a contiguous SM copy at 92-93%. (They were measured with the layers' cache pointers
 // in an array indexed at run time, which put the kernels' parameters in local memory; the layers
-// now share one allocation. Not re-measured since.)
+// now share one allocation. Not re-measured there since.) H100 (session 57,
+// bench/results/h100-s57-access-ceiling.txt, h100-s57-memcpy-engine.txt): the memcpy runs on a
+// copy engine; at n = 8192 it moves 2852 GB/s, the best contiguous SM copy of the sweep 2756
+// (91.4% of the bench's ~3015 GB/s ceiling), the writer's patterns 2491-2675 (82.6-88.7%); at
+// n = 32768 the memcpy 3000, the best SM copies 2848-2849 (94.4-94.5%), the writer's patterns
+// 2734-2806.
 #include <cuda_runtime.h>
 #include <cstdio>
 #include <cstdint>
 #include <vector>
 #include <algorithm>
 #include <random>
+#include <string>
 #include "standalone_check.h"
 constexpr int L = 5, NKV = 4, P = L * NKV, ROW = P * 2 * 128;  // elements per token
 __device__ __forceinline__ uint32_t su32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
@@ -334,10 +344,138 @@ __global__ void kE(const uint4* src, uint4* dst, int64_t n16) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n16; i += int64_t(gridDim.x) * blockDim.x) dst[i] = __ldcs(src + i);
 }
 
-int main() {
+// Which engine runs a device-to-device cudaMemcpyAsync (the copy ceiling's copy): a grid that holds
+// every SM (a block an SM with all of an SM's shared memory, so nothing else fits) spins for
+// ~spin_us on one stream while the copy is issued on another. A copy run by the SMs cannot start
+// before the spin ends (it ends at ~spin + alone); one run by a copy engine runs beside it (it
+// ends at ~alone). The contiguous SM copy kernel E is the control. Stream copy and graph copy node.
+__global__ void kSpin(long long cycles, int* sink) {
+  extern __shared__ char s[];
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+  if (cycles < 0 && threadIdx.x == 0) *sink = s[0];  // never taken
+}
+void memcpy_engine_probe(int sms) {
+  const size_t bytes = size_t(256) << 20;
+  const double spin_us = 2000;
+  int khz = 0, smem = 0;
+  CK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
+  CK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+  CK(cudaFuncSetAttribute(kSpin, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  char *src, *dst; int* sink;
+  CK(cudaMalloc(&src, bytes)); CK(cudaMalloc(&dst, bytes)); CK(cudaMalloc(&sink, 4));
+  CK(cudaMemset(src, 1, bytes));
+  cudaStream_t a, b; CK(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking)); CK(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
+  cudaEvent_t e0, e1, e2;
+  cudaEventCreate(&e0); cudaEventCreate(&e1); cudaEventCreate(&e2);
+  cudaGraph_t g; cudaGraphExec_t ge;
+  CK(cudaStreamBeginCapture(b, cudaStreamCaptureModeGlobal));
+  CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, b));
+  CK(cudaStreamEndCapture(b, &g)); CK(cudaGraphInstantiate(&ge, g, 0));
+  const char* names[3] = {"memcpy (stream)", "memcpy (graph node)", "SM copy kernel E (control)"};
+  auto copy = [&](int k) {
+    if (k == 0) CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, b));
+    else if (k == 1) CK(cudaGraphLaunch(ge, b));
+    else kE<<<sms * 8, 256, 0, b>>>(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst), int64_t(bytes / 16));
+  };
+  const long long cycles = (long long)(spin_us * khz / 1000.0);
+  for (int k = 0; k < 3; ++k) {
+    for (int w = 0; w < 2; ++w) copy(k);
+    CK(cudaStreamSynchronize(b));
+    float alone = 0, end = 0, spin = 0;
+    for (int rep = 0; rep < 3; ++rep) {  // the last round's numbers
+      CK(cudaEventRecord(e0, b)); copy(k); CK(cudaEventRecord(e1, b)); CK(cudaEventSynchronize(e1));
+      CK(cudaEventElapsedTime(&alone, e0, e1));
+      CK(cudaEventRecord(e0, a));
+      kSpin<<<sms, 1024, smem, a>>>(cycles, sink);
+      CK(cudaEventRecord(e2, a));
+      CK(cudaStreamWaitEvent(b, e0, 0));
+      copy(k);
+      CK(cudaEventRecord(e1, b));
+      CK(cudaDeviceSynchronize());
+      CK(cudaEventElapsedTime(&end, e0, e1)); CK(cudaEventElapsedTime(&spin, e0, e2));
+    }
+    printf("engine %-28s alone %8.1f us (%5.0f GB/s); beside a %4.0f us grid holding every SM: ends at %8.1f us -> %s\n",
+           names[k], alone * 1e3, 2.0 * bytes / (alone * 1e3) / 1e3, spin * 1e3, end * 1e3,
+           end * 1e3 < 0.5 * spin * 1e3 ? "ran beside it (copy engine)" : "waited for SMs");
+  }
+  CK(cudaGetLastError());
+  cudaGraphExecDestroy(ge); cudaGraphDestroy(g);
+  cudaFree(src); cudaFree(dst); cudaFree(sink);
+  cudaStreamDestroy(a); cudaStreamDestroy(b);
+}
+
+// E3: kE2 with or without the streaming cache hints (kHints: ld.global.cs / st.global.cs).
+template <int U, bool kHints>
+__global__ void kE3(const uint4* src, uint4* dst, int64_t n16) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n16; i += stride * U) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (i + u * stride < n16) v[u] = kHints ? __ldcs(src + i + u * stride) : src[i + u * stride];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (i + u * stride < n16) {
+        if (kHints) __stcs(dst + i + u * stride, v[u]);
+        else dst[i + u * stride] = v[u];
+      }
+  }
+}
+// The best contiguous SM copy against cudaMemcpyAsync at the writer's n = 8192 / 32768 copy sizes
+// (stream timed like the n rows: 20 launches back to back, median of 7, two source buffers).
+void contiguous_sweep(int sms) {
+  for (size_t bytes : {size_t(8192) * 5120 * 2, size_t(32768) * 5120 * 2}) {
+    char *src[2], *dst;
+    for (auto& x : src) { CK(cudaMalloc(&x, bytes)); CK(cudaMemset(x, 1, bytes)); }
+    CK(cudaMalloc(&dst, bytes));
+    cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
+    auto timeit = [&](const char* name, auto&& launch) {
+      for (int w = 0; w < 3; ++w) launch(src[w % 2]);
+      std::vector<float> ts;
+      for (int rep = 0; rep < 7; ++rep) {
+        cudaEventRecord(e0);
+        for (int i = 0; i < 20; ++i) launch(src[i % 2]);
+        cudaEventRecord(e1); CK(cudaEventSynchronize(e1));
+        float ms; cudaEventElapsedTime(&ms, e0, e1); ts.push_back(ms * 1000 / 20);
+      }
+      CK(cudaGetLastError());
+      std::sort(ts.begin(), ts.end());
+      printf("sweep %7.1f MB %-30s %8.2f us %7.0f GB/s\n", bytes / 1e6, name, ts[3], 2.0 * bytes / ts[3] / 1e3);
+    };
+    timeit("memcpy", [&](char* s) { cudaMemcpyAsync(dst, s, bytes, cudaMemcpyDeviceToDevice); });
+    const int64_t n16 = int64_t(bytes / 16);
+    auto sweep = [&](auto Uc, auto Hc) {
+      constexpr int U = decltype(Uc)::value;
+      constexpr bool H = decltype(Hc)::value;
+      for (int threads : {256, 1024})
+        for (int bpsm : {1, 2, 4, 8}) {
+          if (threads * bpsm > 2048 || (U >= 8 && threads > 256)) continue;
+          char nm[64]; snprintf(nm, 64, "E3 U%d %s %dthr %d/SM", U, H ? "cs" : "plain", threads, bpsm);
+          timeit(nm, [&](char* s) { kE3<U, H><<<sms * bpsm, threads>>>(reinterpret_cast<const uint4*>(s), reinterpret_cast<uint4*>(dst), n16); });
+        }
+    };
+    sweep(std::integral_constant<int, 1>{}, std::true_type{});
+    sweep(std::integral_constant<int, 2>{}, std::true_type{});
+    sweep(std::integral_constant<int, 4>{}, std::true_type{});
+    sweep(std::integral_constant<int, 8>{}, std::true_type{});
+    sweep(std::integral_constant<int, 4>{}, std::false_type{});
+    sweep(std::integral_constant<int, 8>{}, std::false_type{});
+    for (auto x : src) cudaFree(x);
+    cudaFree(dst);
+  }
+}
+
+int main(int argc, char** argv) {
   int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   int major = 0; CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
   const bool hopper = major >= 9;  // the bulk-copy rows (F, G)
+  memcpy_engine_probe(sms);
+  if (argc > 1 && std::string(argv[1]) == "engine") {  // the engine probe and the contiguous sweep alone
+    contiguous_sweep(sms);
+    return 0;
+  }
 
   {
     const int n = 1792, sets = 3, nb = (n + 127) / 128;

@@ -1,7 +1,7 @@
 // The shared benchmark harness: ceilings, timing, rows. Every op's bench (src/ops/<op>/bench_*.cu)
 // uses it, so the timing rules live in one place:
 //   - the copy ceiling is measured in the same run (a large device-to-device copy, bytes read +
-//     written over time);
+//     written over time; the driver runs it on a copy engine, not on the SMs: docs/perf.md, Method);
 //   - each timing is the median of several repeats of a CUDA-graph replay of `reps` calls, after a
 //     warm-up; callers rotate input sets larger than L2 so repeats do not hit in cache;
 //   - bytes are decimal (1 GB/s = 1e9 B/s).

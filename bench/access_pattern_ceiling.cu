@@ -20,8 +20,9 @@
 //     bulk store); E2 in place: the contiguous copy writing each word back where it was read.
 //   engine (first, and alone with the argument `engine`): which engine runs cudaMemcpyAsync (a
 //     stream copy and a graph copy node, beside a grid that holds every SM), and a sweep of
-//     contiguous SM copies (E3: 1-8 loads in flight a thread, with and without the streaming
-//     hints, 1-8 blocks an SM) against the memcpy at the writer's n = 8192 / 32768 copy sizes.
+//     contiguous SM copies (E2: 1-8 loads in flight a thread, with and without the streaming
+//     hints, 1-8 blocks an SM; "E3" in session 57's results file) against the memcpy at the
+//     writer's n = 8192 / 32768 copy sizes.
 // Results (H200, 2026-12-01) are in docs/perf.md: the writer's pattern tops out at 86-88% of the
 // memcpy rate, a contiguous SM copy at 92-93%. (They were measured with the layers' cache pointers
 // in an array indexed at run time, which put the kernels' parameters in local memory; the layers
@@ -194,16 +195,22 @@ __global__ void kF(const char* src, char* dst, int64_t bytes) {
   }
   M3RT_SM90_ONLY(asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"));
 }
-// E2: contiguous copy, U loads in flight per thread.
-template <int U>
+// E2: contiguous copy, U loads in flight per thread, with the streaming cache hints
+// (ld.global.cs / st.global.cs) or (kHints false, the engine sweep) without.
+template <int U, bool kHints = true>
 __global__ void kE2(const uint4* src, uint4* dst, int64_t n16) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n16; i += stride * U) {
     uint4 v[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) if (i + u * stride < n16) v[u] = __ldcs(src + i + u * stride);
+    for (int u = 0; u < U; ++u)
+      if (i + u * stride < n16) v[u] = kHints ? __ldcs(src + i + u * stride) : src[i + u * stride];
 #pragma unroll
-    for (int u = 0; u < U; ++u) if (i + u * stride < n16) __stcs(dst + i + u * stride, v[u]);
+    for (int u = 0; u < U; ++u)
+      if (i + u * stride < n16) {
+        if (kHints) __stcs(dst + i + u * stride, v[u]);
+        else dst[i + u * stride] = v[u];
+      }
   }
 }
 // G: writer pattern, token-major, bulk loads of R tokens (contiguous), 256-byte bulk stores per (token, pair, K/V).
@@ -406,23 +413,6 @@ void memcpy_engine_probe(int sms) {
   cudaStreamDestroy(a); cudaStreamDestroy(b);
 }
 
-// E3: kE2 with or without the streaming cache hints (kHints: ld.global.cs / st.global.cs).
-template <int U, bool kHints>
-__global__ void kE3(const uint4* src, uint4* dst, int64_t n16) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n16; i += stride * U) {
-    uint4 v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (i + u * stride < n16) v[u] = kHints ? __ldcs(src + i + u * stride) : src[i + u * stride];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (i + u * stride < n16) {
-        if (kHints) __stcs(dst + i + u * stride, v[u]);
-        else dst[i + u * stride] = v[u];
-      }
-  }
-}
 // The best contiguous SM copy against cudaMemcpyAsync at the writer's n = 8192 / 32768 copy sizes
 // (stream timed like the n rows: 20 launches back to back, median of 7, two source buffers).
 void contiguous_sweep(int sms) {
@@ -452,8 +442,8 @@ void contiguous_sweep(int sms) {
       for (int threads : {256, 1024})
         for (int bpsm : {1, 2, 4, 8}) {
           if (threads * bpsm > 2048 || (U >= 8 && threads > 256)) continue;
-          char nm[64]; snprintf(nm, 64, "E3 U%d %s %dthr %d/SM", U, H ? "cs" : "plain", threads, bpsm);
-          timeit(nm, [&](char* s) { kE3<U, H><<<sms * bpsm, threads>>>(reinterpret_cast<const uint4*>(s), reinterpret_cast<uint4*>(dst), n16); });
+          char nm[64]; snprintf(nm, 64, "E2 U%d %s %dthr %d/SM", U, H ? "cs" : "plain", threads, bpsm);
+          timeit(nm, [&](char* s) { kE2<U, H><<<sms * bpsm, threads>>>(reinterpret_cast<const uint4*>(s), reinterpret_cast<uint4*>(dst), n16); });
         }
     };
     sweep(std::integral_constant<int, 1>{}, std::true_type{});

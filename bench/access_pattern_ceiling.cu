@@ -413,6 +413,13 @@ void memcpy_engine_probe(int sms) {
   cudaStreamDestroy(a); cudaStreamDestroy(b);
 }
 
+// Stream timing of the n rows and the engine sweep: µs a call, the median of 7 rounds of 20
+// back-to-back calls launch(i % sets) (i the call's index in its round), after one untimed round.
+template <class F>
+float stream_us_per_call(F&& launch, int sets) {
+  return median_ms([&] { for (int i = 0; i < 20; ++i) launch(i % sets); }, 1, 7) * 1000.f / 20;
+}
+
 // The best contiguous SM copy against cudaMemcpyAsync at the writer's n = 8192 / 32768 copy sizes
 // (stream timed like the n rows: 20 launches back to back, median of 7, two source buffers).
 void contiguous_sweep(int sms) {
@@ -420,19 +427,9 @@ void contiguous_sweep(int sms) {
     char *src[2], *dst;
     for (auto& x : src) { CK(cudaMalloc(&x, bytes)); CK(cudaMemset(x, 1, bytes)); }
     CK(cudaMalloc(&dst, bytes));
-    cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
     auto timeit = [&](const char* name, auto&& launch) {
-      for (int w = 0; w < 3; ++w) launch(src[w % 2]);
-      std::vector<float> ts;
-      for (int rep = 0; rep < 7; ++rep) {
-        cudaEventRecord(e0);
-        for (int i = 0; i < 20; ++i) launch(src[i % 2]);
-        cudaEventRecord(e1); CK(cudaEventSynchronize(e1));
-        float ms; cudaEventElapsedTime(&ms, e0, e1); ts.push_back(ms * 1000 / 20);
-      }
-      CK(cudaGetLastError());
-      std::sort(ts.begin(), ts.end());
-      printf("sweep %7.1f MB %-30s %8.2f us %7.0f GB/s\n", bytes / 1e6, name, ts[3], 2.0 * bytes / ts[3] / 1e3);
+      const float us = stream_us_per_call([&](int i) { launch(src[i]); }, 2);
+      printf("sweep %7.1f MB %-30s %8.2f us %7.0f GB/s\n", bytes / 1e6, name, us, 2.0 * bytes / us / 1e3);
     };
     timeit("memcpy", [&](char* s) { cudaMemcpyAsync(dst, s, bytes, cudaMemcpyDeviceToDevice); });
     const int64_t n16 = int64_t(bytes / 16);
@@ -556,19 +553,9 @@ int main(int argc, char** argv) {
       a.slots = ds; a.pos = dp;
     }
     const double bytes = double(n) * ROW * 2 * 2 + n * 16.0;
-    cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
     auto timeit = [&](const char* name, auto&& launch) {
-      for (int w = 0; w < 3; ++w) launch(as[w % sets]);
-      std::vector<float> ts;
-      for (int rep = 0; rep < 7; ++rep) {
-        cudaEventRecord(e0);
-        for (int i = 0; i < 20; ++i) launch(as[i % sets]);
-        cudaEventRecord(e1); CK(cudaEventSynchronize(e1));
-        float ms; cudaEventElapsedTime(&ms, e0, e1); ts.push_back(ms * 1000 / 20);
-      }
-      CK(cudaGetLastError());
-      std::sort(ts.begin(), ts.end());
-      printf("n=%6d %-28s %8.2f us %7.0f GB/s\n", n, name, ts[3], bytes / ts[3] / 1e3);
+      const float us = stream_us_per_call([&](int i) { launch(as[i]); }, sets);
+      printf("n=%6d %-28s %8.2f us %7.0f GB/s\n", n, name, us, bytes / us / 1e3);
     };
     timeit("memcpy", [&](Args& a) { cudaMemcpyAsync(a.dst, a.kv, size_t(n) * ROW * 2, cudaMemcpyDeviceToDevice); });
     for (int bpsm : {4, 8, 16}) {

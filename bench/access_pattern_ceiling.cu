@@ -375,7 +375,7 @@ void memcpy_engine_probe(int sms) {
   CK(cudaMemset(src, 1, bytes));
   cudaStream_t a, b; CK(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking)); CK(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
   cudaEvent_t e0, e1, e2;
-  cudaEventCreate(&e0); cudaEventCreate(&e1); cudaEventCreate(&e2);
+  CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1)); CK(cudaEventCreate(&e2));
   cudaGraph_t g; cudaGraphExec_t ge;
   CK(cudaStreamBeginCapture(b, cudaStreamCaptureModeGlobal));
   CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, b));
@@ -409,6 +409,7 @@ void memcpy_engine_probe(int sms) {
   }
   CK(cudaGetLastError());
   cudaGraphExecDestroy(ge); cudaGraphDestroy(g);
+  cudaEventDestroy(e0); cudaEventDestroy(e1); cudaEventDestroy(e2);
   cudaFree(src); cudaFree(dst); cudaFree(sink);
   cudaStreamDestroy(a); cudaStreamDestroy(b);
 }
@@ -431,7 +432,7 @@ void contiguous_sweep(int sms) {
       const float us = stream_us_per_call([&](int i) { launch(src[i]); }, 2);
       printf("sweep %7.1f MB %-30s %8.2f us %7.0f GB/s\n", bytes / 1e6, name, us, 2.0 * bytes / us / 1e3);
     };
-    timeit("memcpy", [&](char* s) { cudaMemcpyAsync(dst, s, bytes, cudaMemcpyDeviceToDevice); });
+    timeit("memcpy", [&](char* s) { CK(cudaMemcpyAsync(dst, s, bytes, cudaMemcpyDeviceToDevice)); });
     const int64_t n16 = int64_t(bytes / 16);
     auto sweep = [&](auto Uc, auto Hc) {
       constexpr int U = decltype(Uc)::value;

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # On a GPU machine: build, run every test (GPU ones included), `m3rt check` (also with the
 # sync-check switch; the MSA and indexer checks also from an sm_80-only build), compute-sanitizer
-# (memcheck, racecheck, initcheck, synccheck) on the GPU checks and the graph test, then every
-# benchmark. Logs go to $OUT (default /tmp/m3rt-gpu); a short
-# table is printed last. Exit status: non-zero if any step failed. SKIP_BENCH=1 stops before the
-# benchmarks (to split a run over two device calls: then `m3rt bench --json` alone). To split it
+# (memcheck, racecheck, initcheck, synccheck) on the GPU checks and the graph test (and three of
+# them on the access-pattern probe's `once` mode), then every benchmark. Logs go to $OUT (default
+# /tmp/m3rt-gpu); a short table is printed last. Exit status: non-zero if any step failed.
+# SKIP_BENCH=1 stops before the benchmarks (to split a run over two device calls: then
+# `m3rt bench --json` alone). To split it
 # further (a device call has 10 minutes): STEPS, an extended regex, runs only the steps whose names
 # match (the others are listed as skipped), and SKIP_BUILD=1 takes the binaries already in
 # $BUILD_DIR (and $BUILD_DIR-sm80 for the sm_80 step) instead of building them — e.g. built
@@ -106,6 +107,10 @@ if [ -n "$SAN" ]; then
   done
   step sanitizer-graph sanitizer.log "$SAN" --tool memcheck --error-exitcode 9 "$BUILD_DIR/tests/test_gpu" --gtest_filter='*Graph*:GpuWild*'
   step sanitizer-drafter sanitizer.log "$SAN" --tool memcheck --error-exitcode 9 "$BUILD_DIR/tests/test_dspark_model" --gtest_filter='DsparkModelGpu.*'
+  # The access-pattern probe's kernels, each launched once (its timed mode is too slow under racecheck).
+  for tool in memcheck racecheck synccheck; do
+    step "sanitizer-probe-$tool" sanitizer.log "$SAN" --tool "$tool" --error-exitcode 9 "$BUILD_DIR/m3rt_access_ceiling" once
+  done
 else
   NAMES+=("sanitizer"); RESULTS+=("NOT RUN (compute-sanitizer not found)")
 fi

@@ -418,12 +418,8 @@ void memcpy_engine_probe(int sms) {
 
 // Stream timing of the n rows and the engine sweep: µs a call, the median of 7 rounds of 20
 // back-to-back calls launch(i % sets) (i the call's index in its round), after one untimed round.
-// With the argument `once` (for compute-sanitizer, under which a timed row takes minutes) every
-// row's launch runs once, untimed (the caller prints "ran once").
-bool g_once = false;
 template <class F>
 float stream_us_per_call(F&& launch, int sets) {
-  if (g_once) { launch(0); CK(cudaGetLastError()); CK(cudaDeviceSynchronize()); return 0.f; }
   return median_ms([&] { for (int i = 0; i < 20; ++i) launch(i % sets); }, 1, 7) * 1000.f / 20;
 }
 
@@ -471,8 +467,10 @@ int main(int argc, char** argv) {
   int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   int major = 0; CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
   const bool hopper = major >= 9;  // the bulk-copy rows (F, G)
-  g_once = mode == "once";
-  if (!g_once) memcpy_engine_probe(sms);
+  // `once` (for compute-sanitizer, under which one timed row takes minutes): each row's launch
+  // runs once, untimed, and its row says "ran once".
+  const bool once = mode == "once";
+  if (!once) memcpy_engine_probe(sms);
   if (mode == "engine") {  // the engine probe and the contiguous sweep alone
     contiguous_sweep(sms);
     return 0;
@@ -500,7 +498,7 @@ int main(int argc, char** argv) {
     cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
     auto timeq = [&](const char* name, auto&& launch, double b) {
       cudaStream_t st; cudaStreamCreate(&st);
-      if (g_once) {
+      if (once) {
         launch(0, st); CK(cudaGetLastError()); CK(cudaStreamSynchronize(st)); cudaStreamDestroy(st);
         printf("T=%5d %-30s ran once\n", n, name);
         return;
@@ -573,9 +571,13 @@ int main(int argc, char** argv) {
     }
     const double bytes = double(n) * ROW * 2 * 2 + n * 16.0;
     auto timeit = [&](const char* name, auto&& launch) {
+      if (once) {
+        launch(as[0]); CK(cudaGetLastError()); CK(cudaDeviceSynchronize());
+        printf("n=%6d %-28s ran once\n", n, name);
+        return;
+      }
       const float us = stream_us_per_call([&](int i) { launch(as[i]); }, sets);
-      if (g_once) printf("n=%6d %-28s ran once\n", n, name);
-      else printf("n=%6d %-28s %8.2f us %7.0f GB/s\n", n, name, us, bytes / us / 1e3);
+      printf("n=%6d %-28s %8.2f us %7.0f GB/s\n", n, name, us, bytes / us / 1e3);
     };
     timeit("memcpy", [&](Args& a) { cudaMemcpyAsync(a.dst, a.kv, size_t(n) * ROW * 2, cudaMemcpyDeviceToDevice); });
     for (int bpsm : {4, 8, 16}) {

@@ -5,12 +5,11 @@
 # them on the access-pattern probe's `once` mode), then every benchmark. Logs go to $OUT (default
 # /tmp/m3rt-gpu); a short table is printed last. Exit status: non-zero if any step failed.
 # SKIP_BENCH=1 stops before the benchmarks (to split a run over two device calls: then
-# `m3rt bench --json` alone). To split it
-# further (a device call has 10 minutes): STEPS, an extended regex, runs only the steps whose names
-# match (the others are listed as skipped), and SKIP_BUILD=1 takes the binaries already in
-# $BUILD_DIR (and $BUILD_DIR-sm80 for the sm_80 step) instead of building them — e.g. built
-# elsewhere and copied without their object files by scripts/gpu-prebuilt.sh (to
-# build-gpu-prebuilt[-sm80]):
+# `m3rt bench --json` alone). To split it further (a device call has 10 minutes): STEPS, an
+# extended regex, runs only the steps whose names match (the others are listed as skipped), and
+# SKIP_BUILD=1 takes the binaries already in $BUILD_DIR (and $BUILD_DIR-sm80 for the sm_80 step)
+# instead of building them — e.g. built elsewhere and copied without their object files by
+# scripts/gpu-prebuilt.sh (to build-gpu-prebuilt[-sm80]):
 #   SKIP_BUILD=1 BUILD_DIR=build-gpu-prebuilt STEPS='^(ctest|check.*)$' scripts/gpu-check.sh
 #   SKIP_BUILD=1 BUILD_DIR=build-gpu-prebuilt STEPS='^sanitizer' scripts/gpu-check.sh
 # (with SKIP_BUILD the ctest step runs every $BUILD_DIR/tests/test_* binary itself).

@@ -504,9 +504,9 @@ int main(int argc, char** argv) {
         return;
       }
       cudaGraph_t g; cudaGraphExec_t ge;
-      cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal);
+      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
       for (int i = 0; i < 20; ++i) launch(i % sets, st);
-      cudaStreamEndCapture(st, &g); CK(cudaGraphInstantiate(&ge, g, 0));
+      CK(cudaStreamEndCapture(st, &g)); CK(cudaGraphInstantiate(&ge, g, 0));
       for (int w = 0; w < 3; ++w) cudaGraphLaunch(ge, st);
       std::vector<float> ts;
       for (int rep = 0; rep < 9; ++rep) {
@@ -514,6 +514,7 @@ int main(int argc, char** argv) {
         float ms; cudaEventElapsedTime(&ms, e0, e1); ts.push_back(ms * 1000 / 20);
       }
       CK(cudaGetLastError());
+      CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g)); CK(cudaStreamDestroy(st));
       std::sort(ts.begin(), ts.end());
       printf("T=%5d %-30s %8.2f us %7.0f GB/s (%.1f MB)\n", n, name, ts[4], b / ts[4] / 1e3, b / 1e6);
     };

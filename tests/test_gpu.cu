@@ -703,7 +703,7 @@ TEST_P(GpuClaims, WriterCallsWriteWhatTheStaticSplitWritesAndLeaveTheCountersZer
 }
 
 // fp8 caches: the rule at 32800 tokens (claims in the half-warp kernel on GPUs with less DRAM
-// bandwidth an SM than the H200; the quad kernel there, which never claims), every pair claimed at
+// bandwidth an SM than the H200, in the quad kernel there), every pair claimed at
 // 8200 and 30% at 300 tokens (the half-warp kernel on every GPU).
 class GpuWriterFp8Claims : public ::testing::TestWithParam<std::tuple<int, int64_t>> {};
 
@@ -713,15 +713,35 @@ TEST_P(GpuWriterFp8Claims, CallsWriteWhatTheStaticSplitWritesAndLeaveTheCounters
   expect_writer_claims_match(pct, n, true);
 }
 
+// A (pct, n) claims case's name: rule_n32800, pct100_n8200, ...
+std::string claims_case_name(const ::testing::TestParamInfo<std::tuple<int, int64_t>>& info) {
+  const int pct = std::get<0>(info.param);
+  return (pct < 0 ? std::string("rule") : std::string("pct").append(std::to_string(pct)))
+      .append("_n")
+      .append(std::to_string(std::get<1>(info.param)));
+}
+
 INSTANTIATE_TEST_SUITE_P(Claims, GpuWriterFp8Claims,
                          ::testing::Values(std::tuple{-1, int64_t(32800)}, std::tuple{100, int64_t(8200)},
                                            std::tuple{30, int64_t(300)}),
-                         [](const auto& info) {
-                           const int pct = std::get<0>(info.param);
-                           return (pct < 0 ? std::string("rule") : std::string("pct").append(std::to_string(pct)))
-                               .append("_n")
-                               .append(std::to_string(std::get<1>(info.param)));
-                         });
+                         claims_case_name);
+
+// fp8 caches in the quad kernel (forced by M3RT_WRITER_QUAD_MIN), a unit (a warp's 2 tokens x 4
+// pairs) a claim: its rule (15% from 16384 tokens) at 16400, every unit claimed at an odd token
+// count, 30% at 8200 tokens.
+class GpuWriterQuadClaims : public ::testing::TestWithParam<std::tuple<int, int64_t>> {};
+
+TEST_P(GpuWriterQuadClaims, CallsWriteWhatTheStaticSplitWritesAndLeaveTheCountersZero) {
+  REQUIRE_GPU();
+  const auto [pct, n] = GetParam();
+  const detail::ScopedEnv quad("M3RT_WRITER_QUAD_MIN", "1");
+  expect_writer_claims_match(pct, n, true);
+}
+
+INSTANTIATE_TEST_SUITE_P(Claims, GpuWriterQuadClaims,
+                         ::testing::Values(std::tuple{-1, int64_t(16400)}, std::tuple{100, int64_t(4101)},
+                                           std::tuple{30, int64_t(8200)}),
+                         claims_case_name);
 
 INSTANTIATE_TEST_SUITE_P(Claims, GpuClaims,
                          ::testing::Values(std::tuple{-1, false}, std::tuple{100, false}, std::tuple{100, true}),

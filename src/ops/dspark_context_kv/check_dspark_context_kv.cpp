@@ -20,7 +20,7 @@ struct WriterShape {
   int L, nkv, bs, rot;
   int64_t n;
   bool force_quad = false;  // the GPU run takes the quad kernel whatever the size and the GPU
-  int claim_pct = -2;       // claim counters: CheckClaims (the half-warp kernel claims)
+  int claim_pct = -2;       // claim counters: CheckClaims
 };
 
 void check_writer_variant(CheckContext& c, const WriterShape& s) {
@@ -132,12 +132,17 @@ void check_dspark_context_kv_write(CheckContext& c) {
   // Run-time claims (claim_counters) in the half-warp kernel, bf16 caches, 4 token pairs a claim:
   // the library's rule from 8192 tokens, every pair claimed at an odd count (the last pair one
   // token), 15% of 151 pairs (a last claim of 2 pairs); fp8 at 30%, and by the rule from 32768
-  // tokens (claimed on GPUs where the half-warp kernel takes e4m3 there; the quad kernel never claims).
+  // tokens (in the half-warp kernel or, on GPUs with the H200's DRAM bandwidth an SM, the quad kernel).
   check_writer_variant(c, {false, 2, 2, 64, 64, 8200, false, -1});
   check_writer_variant(c, {false, 5, 4, 128, 64, 4101, false, 100});
   check_writer_variant(c, {true, 2, 2, 64, 32, 2999, false, 30});
   check_writer_variant(c, {true, 1, 2, 64, 64, 32800, false, -1});
   check_writer_variant(c, {false, 3, 2, 64, 16, 301, false, 15});
+  // Claims in the quad kernel (forced here), a unit a claim: by the rule from 16384 tokens, every
+  // unit claimed with a partial group of pairs (3) and an odd count, 30% at rotary 16.
+  check_writer_variant(c, {true, 2, 2, 64, 64, 16400, true, -1});
+  check_writer_variant(c, {true, 3, 1, 64, 64, 4101, true, 100});
+  check_writer_variant(c, {true, 2, 2, 16, 16, 1290, true, 30});
 }
 
 }  // namespace m3rt::detail

@@ -187,13 +187,19 @@ constexpr int kQuadThreads = 64;
 constexpr int kQuadWarps = kQuadThreads / 32;
 constexpr int kPairsPerWarp = 4;   // x 2 tokens = 8 quads
 constexpr int kQuadBlocksPerSm = 8;  // up to 128 registers a thread; 27 KB of shared memory each
+// Run-time claims (kClaims instances, launch()'s rule): a claim takes one unit, a warp's step of 2
+// tokens x 4 pairs (8 KB of reads, 8x the half-warp kernel's unit, so one a claim hits the counters
+// half as often as its claims of 4).
+constexpr int kQuadClaimGrain = 1;
 
 struct QuadStage {
   uint4 rows[2 * kPairsPerWarp * 2 * 16];  // [token][pair][K, V][chunk, swizzled]
   int64_t idx[2][2];                       // [token][slot, position]
 };
 
-template <int kRotaryDim, bool kFp8>
+// kClaims: a warp's unit is its step's token pair (tokens 2 u, 2 u + 1 of its block's 4 pairs), the
+// static units by the same stride, then the last ones claimed kQuadClaimGrain at a time (claims.cuh).
+template <int kRotaryDim, bool kFp8, bool kClaims>
 __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
     dspark_context_kv_quad_kernel(const __grid_constant__ DsparkContextKvParams p) {
   using namespace kernels;
@@ -222,27 +228,39 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
   const uint32_t rows_smem = smem_u32(&stages[0][warp].rows[0]);
   const uint32_t idx_smem = smem_u32(&stages[0][warp].idx[(lane / 2) % 2][lane % 2]);
   const int token_step = int(gridDim.y) * kQuadWarps * 2;
-  int t_pref = (int(blockIdx.y) * kQuadWarps + warp) * 2;  // the warp's first token of the next copy
-  auto prefetch = [&](int stage) {
-    if (t_pref < num_ctx) {
-      const uint16_t* row0 = p.all_kv + int64_t(t_pref) * p.stride_all_kv_t;
+  int t_pref = (int(blockIdx.y) * kQuadWarps + warp) * 2;  // static: the warp's first token of the next copy
+  const int num_units = (num_ctx + 1) / 2;
+  UnitPipe<kClaims, kQuadClaimGrain> units(int(blockIdx.y) * kQuadWarps + warp, int(gridDim.y) * kQuadWarps,
+                                           num_units, p.claims, int(blockIdx.x), p.claim_from);
+  auto prefetch = [&](int stage, int u) {  // u: the unit (kClaims; the static walk ignores it)
+    int t = t_pref;
+    if constexpr (kClaims) t = u < num_units ? 2 * u : num_ctx;
+    if (t < num_ctx) {
+      const uint16_t* row0 = p.all_kv + int64_t(t) * p.stride_all_kv_t;
 #pragma unroll
       for (int i = 0; i < 2 * kPairsPerWarp; ++i) {
         const int tk = i / kPairsPerWarp, pi = i % kPairsPerWarp;
-        if (t_pref + tk < num_ctx && pi < valid_pairs) {
+        if (t + tk < num_ctx && pi < valid_pairs) {
           const int r = 2 * i + kv_piece;
           cp_async_16(rows_smem + stage * sizeof(stages[0]) + (r * 16 + (c_piece ^ ((i & 1) << 2))) * sizeof(uint4),
                       row0 + (tk ? p.stride_all_kv_t : 0) + src_off[pi]);
         }
       }
-      if (lane < 4 && t_pref + lane / 2 < num_ctx)
-        cp_async_8(idx_smem + stage * sizeof(stages[0]), (lane % 2 ? p.positions : p.slots) + t_pref + lane / 2);
+      if (lane < 4 && t + lane / 2 < num_ctx)
+        cp_async_8(idx_smem + stage * sizeof(stages[0]), (lane % 2 ? p.positions : p.slots) + t + lane / 2);
     }
     cp_async_commit();  // an empty group past the end keeps the wait counts uniform
-    t_pref += token_step;
+    if constexpr (!kClaims) t_pref += token_step;
   };
+  // Before the table: the copies go out first.
+  if constexpr (kClaims) {
+    static_assert(kStages == 3, "the walk holds two units ahead");
+    prefetch(0, units.first());
+    prefetch(1, units.second());
+  } else {
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) prefetch(i);  // before the table: the copies go out first
+    for (int i = 0; i < kStages - 1; ++i) prefetch(i, 0);
+  }
   for (int i = int(threadIdx.x); i < kPairsPerWarp * 64; i += kQuadThreads) {  // 2 dims a thread
     const int pi = i / 64, d = (i % 64) * 2;
     if (pair0 + pi < pairs) {
@@ -267,9 +285,8 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
   const auto* table = reinterpret_cast<const __nv_bfloat16*>(p.cos_sin);
   const int swz = (g & 1) << 2;  // the quad's bank swizzle
   constexpr int kChunkStride = kQuadLanes * kDimsPerLane;  // elements between a lane's chunks
-  int cur = 0;
-  for (int t0 = (int(blockIdx.y) * kQuadWarps + warp) * 2; t0 < num_ctx; t0 += token_step, cur = (cur + 1) % kStages) {
-    prefetch((cur + kStages - 1) % kStages);
+  // One step: stage `cur`'s rows landed, the warp's tokens t0 and t0 + 1.
+  auto step = [&](int cur, int t0) {
     cp_async_wait<kStages - 1>();  // this step's copies have landed
     __syncwarp();
     const QuadStage& st = stages[cur][warp];
@@ -315,7 +332,20 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
         store_cache_copy<kFp8>(row + k * kChunkStride * kElemBytes, 0, pack_bf16x8(x), k_q);
       }
     }
+  };
+  if constexpr (kClaims) {
+    for (int cur = 0; units.current() < num_units; units.advance(), cur = (cur + 1) % kStages) {
+      prefetch((cur + kStages - 1) % kStages, units.next_copy());
+      step(cur, 2 * units.current());
+    }
+  } else {
+    int cur = 0;
+    for (int t0 = (int(blockIdx.y) * kQuadWarps + warp) * 2; t0 < num_ctx; t0 += token_step, cur = (cur + 1) % kStages) {
+      prefetch((cur + kStages - 1) % kStages, 0);
+      step(cur, t0);
+    }
   }
+  units.finish(int(gridDim.x), gridDim.y * unsigned(kQuadWarps));
   cp_async_wait<0>();
 }
 
@@ -323,9 +353,13 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
 // pair): the last kClaimPercent% of the pairs, kClaimGrain pairs a claim, from kClaimMinTokens tokens
 // (bf16 caches) or kClaimMinTokensFp8 (fp8: on an H100, session 51, claims of 4 pairs ran fp8
 // n = 8192 / 16384 / 32768 0.94 / 1.00-1.01 / 1.055x, claims of one pair 0.92-0.96x) with the
-// caller's counters and at most kClaimCounterInts / 2 (layer, kv head) pairs. fp8 calls that take
-// the quad kernel (kQuadMinTokens tokens on GPUs with the H200's DRAM bandwidth an SM) never claim.
-// M3RT_WRITER_CLAIM_PCT=P (investigation) claims P% at any token count (0: none). H100, session 51
+// caller's counters and at most kClaimCounterInts / 2 (layer, kv head) pairs. The quad kernel (fp8
+// from kQuadMinTokens tokens on GPUs with the H200's DRAM bandwidth an SM) claims the same share
+// from kQuadMinTokens, a unit a claim: forced on an H100 (session 61,
+// bench/results/h100-s61-writer-quad-claims.txt), 15% ran n = 8192 / 16384 / 32768 1.06-1.07 /
+// 1.12-1.13 / 1.12x over its static split (30%: 1.04-1.05 / 1.11 / 1.10-1.11x; 50% less); not yet
+// measured on a GPU where it runs by default.
+// M3RT_WRITER_CLAIM_PCT=P (investigation) claims P% at any token count (0: none), in either kernel. H100, session 51
 // (bench/results/h100-s51-writer-claims.txt), bf16 against the static split: 15% in claims of 4
 // pairs n = 8192 / 16384 / 32768 1.03 / 1.05 / 1.05x; claims of 1 pair gained 1.01-1.03x at 5%
 // (a pair is 1 KB of reads: the counters are hit 4x as often as the QK insert's for the bytes),
@@ -353,8 +387,10 @@ void launch(const DsparkContextKvParams& p, cudaStream_t stream) {
       const dim3 grid = detail::one_wave_grid((pairs + kPairsPerWarp - 1) / kPairsPerWarp,
                                               (p.num_ctx + kQuadWarps * 2 - 1) / (kQuadWarps * 2),
                                               int64_t(detail::multiprocessor_count()) * kQuadBlocksPerSm);
-      kernels::launch_pdl_or_plain(dspark_context_kv_quad_kernel<kRotaryDim, kFp8>, grid, kQuadThreads, p, p.pdl,
-                                   stream, "dspark_context_kv_quad_kernel");
+      kernels::launch_claiming_or_fixed(dspark_context_kv_quad_kernel<kRotaryDim, kFp8, true>,
+                                        dspark_context_kv_quad_kernel<kRotaryDim, kFp8, false>, grid, kQuadThreads, p,
+                                        (p.num_ctx + 1) / 2, true, p.num_ctx >= kQuadMinTokens, kClaimPercent,
+                                        "M3RT_WRITER_CLAIM_PCT", stream, "dspark_context_kv_quad_kernel");
       return;
     }
   }

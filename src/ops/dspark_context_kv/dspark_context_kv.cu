@@ -359,12 +359,12 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
 // bench/results/h100-s61-writer-quad-claims.txt), 15% ran n = 8192 / 16384 / 32768 1.06-1.07 /
 // 1.12-1.13 / 1.12x over its static split (30%: 1.04-1.05 / 1.11 / 1.10-1.11x; 50% less); not yet
 // measured on a GPU where it runs by default.
-// M3RT_WRITER_CLAIM_PCT=P (investigation) claims P% at any token count (0: none), in either kernel. H100, session 51
-// (bench/results/h100-s51-writer-claims.txt), bf16 against the static split: 15% in claims of 4
-// pairs n = 8192 / 16384 / 32768 1.03 / 1.05 / 1.05x; claims of 1 pair gained 1.01-1.03x at 5%
-// (a pair is 1 KB of reads: the counters are hit 4x as often as the QK insert's for the bytes),
-// 10% in claims of 2 or 4 1.02-1.05x, 20% in claims of 8 1.00-1.05x; below 8192 tokens every form
-// lost (n = 2048 0.80-0.85x, n = 4096 0.94-0.96x).
+// M3RT_WRITER_CLAIM_PCT=P (investigation) claims P% at any token count (0: none), in either kernel.
+// H100, session 51 (bench/results/h100-s51-writer-claims.txt), the half-warp kernel, bf16 against
+// the static split: 15% in claims of 4 pairs n = 8192 / 16384 / 32768 1.03 / 1.05 / 1.05x; claims
+// of 1 pair gained 1.01-1.03x at 5% (a pair is 1 KB of reads: the counters are hit 4x as often as
+// the QK insert's for the bytes), 10% in claims of 2 or 4 1.02-1.05x, 20% in claims of 8
+// 1.00-1.05x; below 8192 tokens every form lost (n = 2048 0.80-0.85x, n = 4096 0.94-0.96x).
 constexpr int64_t kClaimMinTokens = 8192;
 constexpr int64_t kClaimMinTokensFp8 = 32768;
 constexpr int kClaimPercent = 15;

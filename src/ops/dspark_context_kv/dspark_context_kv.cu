@@ -384,9 +384,12 @@ void launch(const DsparkContextKvParams& p, cudaStream_t stream) {
     const int quad_min = detail::env_int("M3RT_WRITER_QUAD_MIN", 0);
     if (quad_min > 0 ? p.num_ctx >= quad_min
                      : p.num_ctx >= kQuadMinTokens && !detail::device_limits().lean_dram_per_sm()) {
+      // M3RT_WRITER_QUAD_BLOCKS (investigation): blocks an SM in the one-wave grid, 1..8 (fewer
+      // warps walk more steps each, so a claimed tail is a smaller share of a call).
+      const int per_sm = std::clamp(detail::env_int("M3RT_WRITER_QUAD_BLOCKS", kQuadBlocksPerSm), 1, kQuadBlocksPerSm);
       const dim3 grid = detail::one_wave_grid((pairs + kPairsPerWarp - 1) / kPairsPerWarp,
                                               (p.num_ctx + kQuadWarps * 2 - 1) / (kQuadWarps * 2),
-                                              int64_t(detail::multiprocessor_count()) * kQuadBlocksPerSm);
+                                              int64_t(detail::multiprocessor_count()) * per_sm);
       kernels::launch_claiming_or_fixed(dspark_context_kv_quad_kernel<kRotaryDim, kFp8, true>,
                                         dspark_context_kv_quad_kernel<kRotaryDim, kFp8, false>, grid, kQuadThreads, p,
                                         (p.num_ctx + 1) / 2, true, p.num_ctx >= kQuadMinTokens, kClaimPercent,

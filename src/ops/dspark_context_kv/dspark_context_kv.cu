@@ -227,14 +227,11 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
   const int valid_pairs = min(kPairsPerWarp, pairs - pair0);
   const uint32_t rows_smem = smem_u32(&stages[0][warp].rows[0]);
   const uint32_t idx_smem = smem_u32(&stages[0][warp].idx[(lane / 2) % 2][lane % 2]);
-  const int token_step = int(gridDim.y) * kQuadWarps * 2;
-  int t_pref = (int(blockIdx.y) * kQuadWarps + warp) * 2;  // static: the warp's first token of the next copy
   const int num_units = (num_ctx + 1) / 2;
   UnitPipe<kClaims, kQuadClaimGrain> units(int(blockIdx.y) * kQuadWarps + warp, int(gridDim.y) * kQuadWarps,
                                            num_units, p.claims, int(blockIdx.x), p.claim_from);
-  auto prefetch = [&](int stage, int u) {  // u: the unit (kClaims; the static walk ignores it)
-    int t = t_pref;
-    if constexpr (kClaims) t = u < num_units ? 2 * u : num_ctx;
+  auto prefetch = [&](int stage, int u) {  // u: the unit (tokens 2 u, 2 u + 1; past the end: none)
+    const int t = u < num_units ? 2 * u : num_ctx;
     if (t < num_ctx) {
       const uint16_t* row0 = p.all_kv + int64_t(t) * p.stride_all_kv_t;
 #pragma unroll
@@ -250,17 +247,10 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
         cp_async_8(idx_smem + stage * sizeof(stages[0]), (lane % 2 ? p.positions : p.slots) + t + lane / 2);
     }
     cp_async_commit();  // an empty group past the end keeps the wait counts uniform
-    if constexpr (!kClaims) t_pref += token_step;
   };
-  // Before the table: the copies go out first.
-  if constexpr (kClaims) {
-    static_assert(kStages == 3, "the walk holds two units ahead");
-    prefetch(0, units.first());
-    prefetch(1, units.second());
-  } else {
-#pragma unroll
-    for (int i = 0; i < kStages - 1; ++i) prefetch(i, 0);
-  }
+  static_assert(kStages == 3, "the walk holds two units ahead");
+  prefetch(0, units.first());  // before the table: the copies go out first
+  prefetch(1, units.second());
   for (int i = int(threadIdx.x); i < kPairsPerWarp * 64; i += kQuadThreads) {  // 2 dims a thread
     const int pi = i / 64, d = (i % 64) * 2;
     if (pair0 + pi < pairs) {
@@ -333,17 +323,9 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
       }
     }
   };
-  if constexpr (kClaims) {
-    for (int cur = 0; units.current() < num_units; units.advance(), cur = (cur + 1) % kStages) {
-      prefetch((cur + kStages - 1) % kStages, units.next_copy());
-      step(cur, 2 * units.current());
-    }
-  } else {
-    int cur = 0;
-    for (int t0 = (int(blockIdx.y) * kQuadWarps + warp) * 2; t0 < num_ctx; t0 += token_step, cur = (cur + 1) % kStages) {
-      prefetch((cur + kStages - 1) % kStages, 0);
-      step(cur, t0);
-    }
+  for (int cur = 0; units.current() < num_units; units.advance(), cur = (cur + 1) % kStages) {
+    prefetch((cur + kStages - 1) % kStages, units.next_copy());
+    step(cur, 2 * units.current());
   }
   units.finish(int(gridDim.x), gridDim.y * unsigned(kQuadWarps));
   cp_async_wait<0>();

@@ -410,10 +410,10 @@ void memcpy_engine_probe(int sms) {
            end * 1e3 < 0.5 * spin * 1e3 ? "ran beside it (copy engine)" : "waited for SMs");
   }
   CK(cudaGetLastError());
-  cudaGraphExecDestroy(ge); cudaGraphDestroy(g);
-  cudaEventDestroy(e0); cudaEventDestroy(e1); cudaEventDestroy(e2);
-  cudaFree(src); cudaFree(dst); cudaFree(sink);
-  cudaStreamDestroy(a); cudaStreamDestroy(b);
+  CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
+  CK(cudaEventDestroy(e0)); CK(cudaEventDestroy(e1)); CK(cudaEventDestroy(e2));
+  CK(cudaFree(src)); CK(cudaFree(dst)); CK(cudaFree(sink));
+  CK(cudaStreamDestroy(a)); CK(cudaStreamDestroy(b));
 }
 
 // Stream timing of the n rows and the engine sweep: µs a call, the median of 7 rounds of 20
@@ -495,11 +495,11 @@ int main(int argc, char** argv) {
       CK(cudaMemcpy(ds, sl.data(), n * 8, cudaMemcpyHostToDevice)); CK(cudaMemcpy(dp, ps.data(), n * 8, cudaMemcpyHostToDevice));
       a.slots = ds; a.pos = dp;
     }
-    cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
+    cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
     auto timeq = [&](const char* name, auto&& launch, double b) {
-      cudaStream_t st; cudaStreamCreate(&st);
+      cudaStream_t st; CK(cudaStreamCreate(&st));
       if (once) {
-        launch(0, st); CK(cudaGetLastError()); CK(cudaStreamSynchronize(st)); cudaStreamDestroy(st);
+        launch(0, st); CK(cudaGetLastError()); CK(cudaStreamSynchronize(st)); CK(cudaStreamDestroy(st));
         printf("T=%5d %-30s ran once\n", n, name);
         return;
       }
@@ -511,7 +511,7 @@ int main(int argc, char** argv) {
       std::vector<float> ts;
       for (int rep = 0; rep < 9; ++rep) {
         cudaEventRecord(e0, st); cudaGraphLaunch(ge, st); cudaEventRecord(e1, st); CK(cudaEventSynchronize(e1));
-        float ms; cudaEventElapsedTime(&ms, e0, e1); ts.push_back(ms * 1000 / 20);
+        float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); ts.push_back(ms * 1000 / 20);
       }
       CK(cudaGetLastError());
       CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g)); CK(cudaStreamDestroy(st));

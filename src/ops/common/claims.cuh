@@ -95,8 +95,10 @@ struct WarpUnitWalk {
 // The units of a warp's 3-stage pipeline: the one being computed and the two whose copies are in
 // flight. Used as: u0 = first(), u1 = second() (the prologue's copies), then per computed unit
 // copy(next_copy()) ... advance(), while current() < num; finish() after the loop.
-// UnitPipe<false>: the static stride alone (two counters, as the kernels had before claims, so the
-// static instances keep their code and registers); UnitPipe<true, kGrain>: WarpUnitWalk's units.
+// UnitPipe<false>: the static stride alone (two counters, as the kernels had before claims; the
+// static instances keep their registers, and their loops are the old ones or a few instructions
+// longer: the writer's quad kernel +1..9 SASS instructions, session 62); UnitPipe<true, kGrain>:
+// WarpUnitWalk's units.
 template <bool kClaims, int kGrain = 1>
 struct UnitPipe {
   int cur, copy, step;  // the unit computed, the next to copy

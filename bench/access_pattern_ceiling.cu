@@ -452,8 +452,8 @@ void contiguous_sweep(int sms) {
     sweep(std::integral_constant<int, 8>{}, std::true_type{});
     sweep(std::integral_constant<int, 4>{}, std::false_type{});
     sweep(std::integral_constant<int, 8>{}, std::false_type{});
-    for (auto x : src) cudaFree(x);
-    cudaFree(dst);
+    for (auto x : src) CK(cudaFree(x));
+    CK(cudaFree(dst));
   }
 }
 
@@ -553,6 +553,13 @@ int main(int argc, char** argv) {
     // The same contiguous copy with each word written back where it was read (the QK insert
     // writes q and k back in place).
     timeq("E2 U4 in place same bytes", [&](int s, cudaStream_t st) { kE2<4><<<sms * 4, 256, 0, st>>>(reinterpret_cast<const uint4*>(msrc[s]), reinterpret_cast<uint4*>(msrc[s]), int64_t(bytes / 2) / 16); }, bytes);
+    CK(cudaEventDestroy(e0)); CK(cudaEventDestroy(e1));
+    CK(cudaFree(bs)); CK(cudaFree(bd)); CK(cudaFree(mdst));
+    for (int s = 0; s < sets; ++s) {
+      const QArgs& a = qa[s];
+      CK(cudaFree(msrc[s])); CK(cudaFree(a.qkv)); CK(cudaFree(a.cache)); CK(cudaFree(a.qout));
+      CK(cudaFree(const_cast<int64_t*>(a.slots))); CK(cudaFree(const_cast<int64_t*>(a.pos)));
+    }
   }
   for (int n : {8192, 32768}) {
     const int sets = n == 8192 ? 3 : 1;
@@ -631,6 +638,10 @@ int main(int argc, char** argv) {
     timeit("D direct U2 6/SM", [&](Args& a) { kD<2><<<sms * 6, 320>>>(a); });
     timeit("D direct U4 6/SM", [&](Args& a) { kD<4><<<sms * 6, 320>>>(a); });
     timeit("D direct U4 3/SM", [&](Args& a) { kD<4><<<sms * 3, 320>>>(a); });
+    for (const Args& a : as) {
+      CK(cudaFree(const_cast<uint16_t*>(a.kv))); CK(cudaFree(a.dst)); CK(cudaFree(a.cache0));
+      CK(cudaFree(const_cast<int64_t*>(a.slots))); CK(cudaFree(const_cast<int64_t*>(a.pos)));
+    }
   }
   return 0;
 }

@@ -615,7 +615,8 @@ struct ClaimCallInputs {
 };
 
 // The two ops' claims. Param: -1 the library's rule at its size (the QK insert T = 2600: the last
-// 15% claimed; the writer n = 8200: 15% in claims of 4 token pairs), 100 every token claimed
+// 15% claimed on GPUs below the H200's DRAM bandwidth an SM, none on others; the writer n = 16400: 15% in claims of 4 token pairs, from 8192 tokens on GPUs below
+// the H200's DRAM bandwidth an SM and from 16384 on others), 100 every token claimed
 // (M3RT_QK_CLAIM_PCT / M3RT_WRITER_CLAIM_PCT) at that size and at 300 tokens (a warp's static part
 // then empty).
 class GpuClaims : public ::testing::TestWithParam<std::tuple<int, bool>> {};
@@ -699,12 +700,12 @@ void expect_writer_claims_match(int pct, int64_t n, bool fp8) {
 TEST_P(GpuClaims, WriterCallsWriteWhatTheStaticSplitWritesAndLeaveTheCountersZero) {
   REQUIRE_GPU();
   const auto [pct, small] = GetParam();
-  expect_writer_claims_match(pct, small ? 300 : 8200, false);
+  expect_writer_claims_match(pct, small ? 300 : 16400, false);
 }
 
 // fp8 caches: the rule at 32800 tokens (claims in the half-warp kernel on GPUs with less DRAM
-// bandwidth an SM than the H200, in the quad kernel there), every pair claimed at
-// 8200 and 30% at 300 tokens (the half-warp kernel on every GPU).
+// bandwidth an SM than the H200; there the quad kernel, which does not claim by the rule), every
+// pair claimed at 8200 and 30% at 300 tokens (the half-warp kernel on every GPU).
 class GpuWriterFp8Claims : public ::testing::TestWithParam<std::tuple<int, int64_t>> {};
 
 TEST_P(GpuWriterFp8Claims, CallsWriteWhatTheStaticSplitWritesAndLeaveTheCountersZero) {
@@ -727,8 +728,8 @@ INSTANTIATE_TEST_SUITE_P(Claims, GpuWriterFp8Claims,
                          claims_case_name);
 
 // fp8 caches in the quad kernel (forced by M3RT_WRITER_QUAD_MIN), a unit (a warp's 2 tokens x 4
-// pairs) a claim: its rule (15% from 16384 tokens) at 16400, every unit claimed at an odd token
-// count, 30% at 8200 tokens.
+// pairs) a claim: its rule at 16400 (15% from 16384 tokens on GPUs below the H200's DRAM bandwidth
+// an SM; none on others), every unit claimed at an odd token count, 30% at 8200 tokens.
 class GpuWriterQuadClaims : public ::testing::TestWithParam<std::tuple<int, int64_t>> {};
 
 TEST_P(GpuWriterQuadClaims, CallsWriteWhatTheStaticSplitWritesAndLeaveTheCountersZero) {

@@ -7,8 +7,9 @@
 // own slots, laid out as an engine's: consecutive tokens fill a block, blocks in shuffled order.
 // Times are per call inside a CUDA graph of 20 calls (median of 25 replays); each row is timed again
 // with enable_pdl (" pdl": every call a programmatic dependent of the one before). Every call passes
-// claim_counters (the fast configuration; bf16 claims from 8192 tokens, fp8 from 32768 in the
-// half-warp kernel and from 16384 in the quad kernel), and the rows from 8192 tokens are timed
+// claim_counters (the fast configuration; the rule: bf16 claims from 8192 tokens, 16384 on GPUs
+// with the H200's DRAM bandwidth an SM, fp8 from 32768 in the half-warp kernel, the quad kernel
+// never by default), and the rows from 8192 tokens are timed
 // without them too ("vs static": 1.00 where the call does not claim).
 #include <cuda_runtime.h>
 

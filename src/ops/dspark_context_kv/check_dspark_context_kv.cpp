@@ -130,16 +130,18 @@ void check_dspark_context_kv_write(CheckContext& c) {
   check_writer_variant(c, {true, 3, 1, 16, 16, 1290, true});
   check_writer_variant(c, {true, 1, 2, 128, 32, 777, true});
   // Run-time claims (claim_counters) in the half-warp kernel, bf16 caches, 4 token pairs a claim:
-  // the library's rule from 8192 tokens, every pair claimed at an odd count (the last pair one
-  // token), 15% of 151 pairs (a last claim of 2 pairs); fp8 at 30%, and by the rule from 32768
-  // tokens (in the half-warp kernel or, on GPUs with the H200's DRAM bandwidth an SM, the quad kernel).
-  check_writer_variant(c, {false, 2, 2, 64, 64, 8200, false, -1});
+  // the library's rule (from 8192 tokens, 16384 on GPUs with the H200's DRAM bandwidth an SM), every
+  // pair claimed at an odd count (the last pair one token), 15% of 151 pairs (a last claim of 2
+  // pairs); fp8 at 30%, and by the rule from 32768 tokens (in the half-warp kernel; on GPUs with the
+  // H200's DRAM bandwidth an SM the quad kernel, which does not claim there by the rule).
+  check_writer_variant(c, {false, 2, 2, 64, 64, 16400, false, -1});
   check_writer_variant(c, {false, 5, 4, 128, 64, 4101, false, 100});
   check_writer_variant(c, {true, 2, 2, 64, 32, 2999, false, 30});
   check_writer_variant(c, {true, 1, 2, 64, 64, 32800, false, -1});
   check_writer_variant(c, {false, 3, 2, 64, 16, 301, false, 15});
-  // Claims in the quad kernel (forced here), a unit a claim: by the rule from 16384 tokens, every
-  // unit claimed with a partial group of pairs (3) and an odd count, 30% at rotary 16.
+  // Claims in the quad kernel (forced here), a unit a claim: by the rule from 16384 tokens (GPUs
+  // below the H200's DRAM bandwidth an SM; none on others), every unit claimed with a partial group
+  // of pairs (3) and an odd count, 30% at rotary 16.
   check_writer_variant(c, {true, 2, 2, 64, 64, 16400, true, -1});
   check_writer_variant(c, {true, 3, 1, 64, 64, 4101, true, 100});
   check_writer_variant(c, {true, 2, 2, 16, 16, 1290, true, 30});

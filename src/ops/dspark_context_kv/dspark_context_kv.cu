@@ -339,8 +339,12 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
 // from kQuadMinTokens tokens on GPUs with the H200's DRAM bandwidth an SM) claims the same share
 // from kQuadMinTokens, a unit a claim: forced on an H100 (session 61,
 // bench/results/h100-s61-writer-quad-claims.txt), 15% ran n = 8192 / 16384 / 32768 1.06-1.07 /
-// 1.12-1.13 / 1.12x over its static split (30%: 1.04-1.05 / 1.11 / 1.10-1.11x; 50% less); not yet
-// measured on a GPU where it runs by default.
+// 1.12-1.13 / 1.12x over its static split (30%: 1.04-1.05 / 1.11 / 1.10-1.11x; 50% less). On the
+// H200, where it runs by default, claims lose (session 64, bench/results/h200-s64-writer-claims.txt,
+// two rounds, "vs static" in the same run): 15% ran the quad kernel n = 16384 / 32768 / 65536
+// 0.947-0.953 / 0.951-0.965 / 0.863-0.876x and the half-warp kernel's bf16 n = 8192 0.938-0.941x
+// (16384 / 32768 / 65536: 1.005-1.009 / 1.022-1.025 / 1.022-1.025x). So on GPUs with the H200's DRAM
+// bandwidth an SM the quad kernel never claims by rule, and bf16 claims from kClaimMinTokensRich.
 // M3RT_WRITER_CLAIM_PCT=P (investigation) claims P% at any token count (0: none), in either kernel.
 // H100, session 51 (bench/results/h100-s51-writer-claims.txt), the half-warp kernel, bf16 against
 // the static split: 15% in claims of 4 pairs n = 8192 / 16384 / 32768 1.03 / 1.05 / 1.05x; claims
@@ -348,6 +352,7 @@ __global__ void __launch_bounds__(kQuadThreads, kQuadBlocksPerSm)
 // the QK insert's for the bytes), 10% in claims of 2 or 4 1.02-1.05x, 20% in claims of 8
 // 1.00-1.05x; below 8192 tokens every form lost (n = 2048 0.80-0.85x, n = 4096 0.94-0.96x).
 constexpr int64_t kClaimMinTokens = 8192;
+constexpr int64_t kClaimMinTokensRich = 16384;  // bf16, GPUs with the H200's DRAM bandwidth an SM
 constexpr int64_t kClaimMinTokensFp8 = 32768;
 constexpr int kClaimPercent = 15;
 
@@ -361,11 +366,12 @@ void launch(const DsparkContextKvParams& p, cudaStream_t stream) {
   // Enough blocks to fill the GPU once (each then walks several runs, prefetching the next while
   // computing the current), but no more than there are runs.
   const int pairs = p.num_layers * p.num_kv_heads;
+  const bool lean = detail::device_limits().lean_dram_per_sm();
   if constexpr (kFp8) {  // bf16 caches never take the quad kernel (no instance is built for them)
     // M3RT_WRITER_QUAD_MIN (investigation): the quad kernel from that many tokens on any GPU instead.
     const int quad_min = detail::env_int("M3RT_WRITER_QUAD_MIN", 0);
     if (quad_min > 0 ? p.num_ctx >= quad_min
-                     : p.num_ctx >= kQuadMinTokens && !detail::device_limits().lean_dram_per_sm()) {
+                     : p.num_ctx >= kQuadMinTokens && !lean) {
       // M3RT_WRITER_QUAD_BLOCKS (investigation): blocks an SM in the one-wave grid, 1..8 (fewer
       // warps walk more steps each, so a claimed tail is a smaller share of a call).
       const int per_sm = std::clamp(detail::env_int("M3RT_WRITER_QUAD_BLOCKS", kQuadBlocksPerSm), 1, kQuadBlocksPerSm);
@@ -374,14 +380,14 @@ void launch(const DsparkContextKvParams& p, cudaStream_t stream) {
                                               int64_t(detail::multiprocessor_count()) * per_sm);
       kernels::launch_claiming_or_fixed(dspark_context_kv_quad_kernel<kRotaryDim, kFp8, true>,
                                         dspark_context_kv_quad_kernel<kRotaryDim, kFp8, false>, grid, kQuadThreads, p,
-                                        (p.num_ctx + 1) / 2, true, p.num_ctx >= kQuadMinTokens, kClaimPercent,
+                                        (p.num_ctx + 1) / 2, true, lean && p.num_ctx >= kQuadMinTokens, kClaimPercent,
                                         "M3RT_WRITER_CLAIM_PCT", stream, "dspark_context_kv_quad_kernel");
       return;
     }
   }
   const dim3 grid = detail::one_wave_grid(pairs, (p.num_ctx + kTokensPerRun - 1) / kTokensPerRun,
                                           int64_t(detail::multiprocessor_count()) * kMinBlocksPerSm);
-  const bool by_rule = p.num_ctx >= (kFp8 ? kClaimMinTokensFp8 : kClaimMinTokens);
+  const bool by_rule = p.num_ctx >= (kFp8 ? kClaimMinTokensFp8 : lean ? kClaimMinTokens : kClaimMinTokensRich);
   kernels::launch_claiming_or_fixed(dspark_context_kv_kernel<kRotaryDim, kFp8, true>,
                                     dspark_context_kv_kernel<kRotaryDim, kFp8, false>, grid, kThreads, p,
                                     (p.num_ctx + 1) / 2, true, by_rule, kClaimPercent, "M3RT_WRITER_CLAIM_PCT", stream,

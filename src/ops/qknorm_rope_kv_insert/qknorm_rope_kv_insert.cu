@@ -420,7 +420,10 @@ __global__ void __launch_bounds__(kHalfThreads, half_blocks_per_sm(kInsert))
 // M3RT_QK_CLAIM_PCT=P (investigation) claims P% at any token count (0: none). On an H100 (session
 // 51, bench/results/h100-s51-qk-claims.txt) 15% ran T = 4096 / 8192 / 16384 1.03-1.05 / 1.06-1.08 /
 // 1.06-1.09x, T = 1792 and 2044 1.00-1.01x, and claims lost below (T = 1024 0.94-0.96x, T = 256
-// 0.67x: the warps then all reach the counters at once); 10, 20 and 25% gained less.
+// 0.67x: the warps then all reach the counters at once); 10, 20 and 25% gained less. On the H200
+// claims lose (session 64, bench/results/h200-s64-writer-claims.txt, two rounds, "vs static" in the
+// same run): T = 4096 / 8192 0.947 / 0.975x, 15% forced at T = 1792 0.91x. So the rule claims only
+// on GPUs below the H200's DRAM bandwidth an SM (DeviceLimits::lean_dram_per_sm).
 constexpr int64_t kClaimMinTokens = 2048;
 constexpr int kClaimPercent = 15;
 
@@ -447,7 +450,8 @@ void launch(const QknormRopeKvInsertParams& p, cudaStream_t stream) {
     constexpr bool kClaimable = kInsert != QkvInsertMode::kFp8;  // fp8: no claiming instance is built
     kernels::launch_claiming_or_fixed(qknorm_rope_quad_kernel<kRotaryDim, kInsert, kClaimable>,
                                       qknorm_rope_quad_kernel<kRotaryDim, kInsert, false>, grid, kQuadThreads, p, T,
-                                      kClaimable, T >= kClaimMinTokens, kClaimPercent, "M3RT_QK_CLAIM_PCT", stream,
+                                      kClaimable, T >= kClaimMinTokens && detail::device_limits().lean_dram_per_sm(),
+                                      kClaimPercent, "M3RT_QK_CLAIM_PCT", stream,
                                       "qknorm_rope_quad_kernel");
   } else {
     // Enough blocks to fill the GPU once (each walks several steps), no more than there are steps.

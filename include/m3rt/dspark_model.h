@@ -92,7 +92,8 @@ class DsparkModel {
   // target_hidden [T, n * H] bf16 (n = target layers), positions [T] int64, slots [T] int64.
   // Runs eagerly (its row count varies). On a GPU the model passes its own claim counters
   // (ops.h, claim_counters) to the context writer and the QK insert, so long contexts take
-  // their run-time claims (the writer's from 8192 rows into bf16 caches, 32768 into fp8).
+  // their run-time claims by the ops' rules (ops.h; the writer's from 8192 rows into bf16 caches
+  // on an H100, 16384 on an H200).
   void precompute_context(const TensorView& target_hidden, const TensorView& positions, const TensorView& slots,
                           stream_t stream = nullptr);
   void draft(const DsparkDraftArgs& args, stream_t stream = nullptr);

@@ -131,7 +131,8 @@ struct QknormRopeKvInsertArgs {
   // it then lets the next kernel do the same at once. Ignored on the CPU, on other GPUs and in builds
   // without sm_90a code. Graph capture keeps it (programmatic edges).
   bool enable_pdl = false;
-  // Optional run-time claims (CUDA, bf16 cache or no insert, from 2048 tokens): int32
+  // Optional run-time claims (CUDA, bf16 cache or no insert, from 2048 tokens on GPUs below the
+  // H200's DRAM bandwidth an SM; on others the call runs its static split, session 64): int32
   // [>= kClaimCounterInts] on qkv's device, all zero before the first call (e.g. cudaMemset once);
   // every completed call leaves it zero again. With it, the warps of the one-wave kernel take the
   // last tokens one at a time instead of in equal shares, so SMs that stream faster take more
@@ -172,9 +173,10 @@ struct DsparkContextKvArgs {
   // k_scale / v_scale may be read before the wait). Ignored on the CPU and other GPUs.
   bool enable_pdl = false;
   // Optional run-time claims, as QknormRopeKvInsertArgs::claim_counters (the same buffer rules),
-  // here for bf16 caches from 8192 tokens and fp8 caches from 32768 (in the half-warp kernel: not
-  // on GPUs with the H200's DRAM bandwidth an SM): the last 15% of the tokens handed out 8 tokens a
-  // claim (H100: bf16 1.03-1.05x, fp8 1.045x). Ignored on the CPU.
+  // here for bf16 caches from 8192 tokens (16384 on GPUs with the H200's DRAM bandwidth an SM) and
+  // fp8 caches from 32768 (in the half-warp kernel: not on GPUs with the H200's DRAM bandwidth an
+  // SM): the last 15% of the tokens handed out 8 tokens a claim (H100: bf16 1.03-1.05x, fp8 1.045x;
+  // H200 bf16 from 16384 1.01-1.025x). Ignored on the CPU.
   TensorView claim_counters;
 };
 

@@ -13,7 +13,8 @@
 // or 1) and index slots (T*8). Inputs rotate over sets larger than 3x L2. Times are per call inside
 // a 20-call graph. The dense rows are timed again with enable_pdl (" pdl": each call launched as a
 // programmatic dependent of the one before it, as it would follow the qkv projection). Every call
-// passes claim_counters (the fast configuration; the rule claims from 2048 tokens): the dense bf16
+// passes claim_counters (the fast configuration; the rule claims from 2048 tokens below the H200's
+// DRAM bandwidth an SM, never on the H200): the dense bf16
 // T = 8192 row (not in --quick) and any row from 2048 tokens is timed without them too ("vs static").
 #include <cuda_runtime.h>
 

@@ -241,7 +241,8 @@ void check_qknorm_rope_kv_insert(CheckContext& c) {
   // (the rows above take 1-2 steps); in place and with q to q_out (the drafter's call).
   check_qk_variant(c, {64, 4, 64, 128, 900, true, false, false, false, 1.f});
   check_qk_variant(c, {64, 4, 64, 128, 900, true, false, true, false, 1.f});
-  // Run-time claims (claim_counters): the library's rule from 2048 tokens (bf16 cache; the fp8
+  // Run-time claims (claim_counters): the library's rule from 2048 tokens (bf16 cache, GPUs below
+  // the H200's DRAM bandwidth an SM; the fp8
   // instance stays static and leaves the counters alone), and claims forced at fewer tokens: every
   // token, 30% of a sparse row's, half of a row without insert.
   check_qk_variant(c, {64, 4, 64, 128, 2600, true, false, false, false, 1.f, 0, false, -1});

@@ -615,10 +615,10 @@ struct ClaimCallInputs {
 };
 
 // The two ops' claims. Param: -1 the library's rule at its size (the QK insert T = 2600: the last
-// 15% claimed on GPUs below the H200's DRAM bandwidth an SM, none on others; the writer n = 16400: 15% in claims of 4 token pairs, from 8192 tokens on GPUs below
-// the H200's DRAM bandwidth an SM and from 16384 on others), 100 every token claimed
-// (M3RT_QK_CLAIM_PCT / M3RT_WRITER_CLAIM_PCT) at that size and at 300 tokens (a warp's static part
-// then empty).
+// 15% claimed on GPUs below the H200's DRAM bandwidth an SM, none on others; the writer n = 16400:
+// 15% in claims of 4 token pairs, from 8192 tokens on GPUs below the H200's DRAM bandwidth an SM
+// and from 16384 on others), 100 every token claimed (M3RT_QK_CLAIM_PCT / M3RT_WRITER_CLAIM_PCT) at
+// that size and at 300 tokens (a warp's static part then empty).
 class GpuClaims : public ::testing::TestWithParam<std::tuple<int, bool>> {};
 
 TEST_P(GpuClaims, QkInsertCallsWriteWhatTheStaticSplitWritesAndLeaveTheCountersZero) {

@@ -5,12 +5,12 @@
 // Bytes per call (the floor): all_kv read (n*L*2*nkv*128*2) + caches written (n*L*2*nkv*128 * 2 or
 // 1) + positions and slots (n*16). Inputs rotate over sets larger than 3x L2; each set writes its
 // own slots, laid out as an engine's: consecutive tokens fill a block, blocks in shuffled order.
-// Times are per call inside a CUDA graph of 20 calls (median of 25 replays); each row is timed again
-// with enable_pdl (" pdl": every call a programmatic dependent of the one before). Every call passes
-// claim_counters (the fast configuration; the rule: bf16 claims from 8192 tokens, 16384 on GPUs
-// with the H200's DRAM bandwidth an SM, fp8 from 32768 in the half-warp kernel, the quad kernel
-// never by default), and the rows from 8192 tokens are timed
-// without them too ("vs static": 1.00 where the call does not claim).
+// Times are per call inside a CUDA graph of 20 calls (median of 25 replays); each row is timed
+// again with enable_pdl (" pdl": every call a programmatic dependent of the one before). Every call
+// passes claim_counters (the fast configuration; the rule: bf16 claims from 8192 tokens, 16384 on
+// GPUs with the H200's DRAM bandwidth an SM, fp8 from 32768 in the half-warp kernel, the quad
+// kernel never by default), and the rows from 8192 tokens are timed without them too ("vs static":
+// 1.00 where the call does not claim).
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -14,8 +14,8 @@
 // a 20-call graph. The dense rows are timed again with enable_pdl (" pdl": each call launched as a
 // programmatic dependent of the one before it, as it would follow the qkv projection). Every call
 // passes claim_counters (the fast configuration; the rule claims from 2048 tokens below the H200's
-// DRAM bandwidth an SM, never on the H200): the dense bf16
-// T = 8192 row (not in --quick) and any row from 2048 tokens is timed without them too ("vs static").
+// DRAM bandwidth an SM, never on the H200): the dense bf16 T = 8192 row (not in --quick) and any
+// row from 2048 tokens is timed without them too ("vs static").
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -242,9 +242,9 @@ void check_qknorm_rope_kv_insert(CheckContext& c) {
   check_qk_variant(c, {64, 4, 64, 128, 900, true, false, false, false, 1.f});
   check_qk_variant(c, {64, 4, 64, 128, 900, true, false, true, false, 1.f});
   // Run-time claims (claim_counters): the library's rule from 2048 tokens (bf16 cache, GPUs below
-  // the H200's DRAM bandwidth an SM; the fp8
-  // instance stays static and leaves the counters alone), and claims forced at fewer tokens: every
-  // token, 30% of a sparse row's, half of a row without insert.
+  // the H200's DRAM bandwidth an SM; the fp8 instance stays static and leaves the counters alone),
+  // and claims forced at fewer tokens: every token, 30% of a sparse row's, half of a row without
+  // insert.
   check_qk_variant(c, {64, 4, 64, 128, 2600, true, false, false, false, 1.f, 0, false, -1});
   check_qk_variant(c, {16, 4, 32, 16, 2100, true, true, false, true, 0.5f, 0, false, -1});
   check_qk_variant(c, {64, 4, 64, 128, 900, true, false, true, false, 1.f, 0, false, 100});

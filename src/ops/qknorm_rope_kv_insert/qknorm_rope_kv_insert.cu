@@ -18,8 +18,8 @@
 //   full mask. One wave of blocks; each warp walks its tokens (stride gridDim.y x 4) through a
 //   3-stage cp.async pipeline of its own (the token's 8 rows, 2 KB, and indices). With
 //   claim_counters (bf16 cache or none, from 2048 tokens, GPUs below the H200's DRAM bandwidth an
-//   SM) the last 15% of the tokens are claimed
-//   one at a time per grid column instead (claims.cuh): warps on faster SMs take more of them.
+//   SM) the last 15% of the tokens are claimed one at a time per grid column instead (claims.cuh):
+//   warps on faster SMs take more of them.
 // - half-warp kernel (fewer tokens). Grid: (runs of 8 head items, token pairs). A warp owns one
 //   head item of two tokens, a half-warp (16 lanes x 8 dims) per token; both halves run the same
 //   code path, so the warp shuffles with the full mask; a 3-stage cp.async pipeline per warp.
